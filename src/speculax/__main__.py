@@ -1,0 +1,4 @@
+from ._cli import main
+
+
+raise SystemExit(main())

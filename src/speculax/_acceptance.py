@@ -1,0 +1,89 @@
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._numerics import upcast
+
+
+class AbstractAcceptance(eqx.Module):
+    """The acceptance test: decides, independently at each draft position, whether
+    the draft token passes.
+
+    Subclass it and implement `__call__` to write your own test; plug it into
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(acceptance=...)`. Only the
+    per-position verdicts are returned: the first failure ending the step is the job of
+    the prefix count.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+    ) -> Bool[Array, "batch draft"]:
+        """**Arguments:**
+
+        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
+        - `draft_probs`: $q_i$, the distribution each draft token was sampled from.
+        - `target_probs`: $p_i$, the target distribution at each position, with one
+            extra position $p_G$ after the last draft token.
+        - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
+
+        **Returns:**
+
+        A boolean array of shape `(batch, draft)`: whether each position's test passes,
+        regardless of the positions before it.
+        """
+
+
+class RatioAcceptance(AbstractAcceptance):
+    """The rejection-sampling test of speculative decoding: draft token $x_i$ passes
+    when $u_i < p_i(x_i) / q_i(x_i)$.
+
+    The comparison is evaluated as $u_i \\, q_i(x_i) < p_i(x_i)$, which is the same test
+    without a division: when $q_i(x_i) = 0$ the token passes exactly when
+    $p_i(x_i) > 0$, and a token the target gives probability $0$ never passes, whatever
+    $u_i$. Reads $2 \\cdot \\text{batch} \\cdot \\text{draft}$ probabilities and nothing
+    else.
+    """
+
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+    ) -> Bool[Array, "batch draft"]:
+        """**Arguments:**
+
+        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
+        - `draft_probs`: $q_i$, the distribution each draft token was sampled from.
+        - `target_probs`: $p_i$, the target distribution at each position, with one
+            extra position $p_G$ after the last draft token.
+        - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
+
+        **Returns:**
+
+        A boolean array of shape `(batch, draft)`: whether $u_i < p_i(x_i)/q_i(x_i)$.
+        """
+        draft_target, draft_draft = draft_token_probs(
+            draft_tokens, draft_probs, target_probs
+        )
+        return accept_uniforms * draft_draft < draft_target
+
+
+def draft_token_probs(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> tuple[Float[Array, "batch draft"], Float[Array, "batch draft"]]:
+    """Gathers $p_i(x_i)$ and $q_i(x_i)$, upcast to the arithmetic dtype."""
+    num_draft = draft_tokens.shape[1]
+    index = draft_tokens[..., None]
+    target = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)
+    draft = jnp.take_along_axis(draft_probs, index, axis=-1)
+    return upcast(target[..., 0]), upcast(draft[..., 0])

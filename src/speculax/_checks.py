@@ -1,0 +1,187 @@
+"""The checks of SPEC section 3: structure at trace time, values at run time."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._acceptance import draft_token_probs
+from ._residual import stopping_rows
+
+
+def check_structure(
+    draft_tokens: Array,
+    draft_probs: Array,
+    target_probs: Array,
+    accept_uniforms: Array,
+    sample_uniforms: Array,
+) -> None:
+    """Raises `ValueError` for a wrong rank or disagreeing sizes and `TypeError` for a
+    wrong kind of dtype, naming the argument, the expected and the actual.
+
+    Works on shapes and dtypes only, so it runs at trace time under `jit` and `vmap`.
+    """
+    arguments = {
+        "draft_tokens": (draft_tokens, "(B, G)", jnp.integer),
+        "draft_probs": (draft_probs, "(B, G, V)", jnp.floating),
+        "target_probs": (target_probs, "(B, G + 1, V)", jnp.floating),
+        "accept_uniforms": (accept_uniforms, "(B, G)", jnp.floating),
+        "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
+    }
+    for name, (x, pattern, kind) in arguments.items():
+        rank = len(pattern.strip("(,)").split(","))
+        if x.ndim != rank:
+            raise ValueError(
+                f"{name} must have rank {rank}, shape {pattern}; got shape "
+                f"{tuple(x.shape)}"
+            )
+        if not jnp.issubdtype(x.dtype, kind):
+            kind_name = "an integer" if kind is jnp.integer else "a floating-point"
+            raise TypeError(f"{name} must have {kind_name} dtype; got {x.dtype}")
+
+    batch, num_draft = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if vocab < 1:
+        raise ValueError(
+            f"target_probs must have a vocabulary axis of size at least 1; got shape "
+            f"{target_probs.shape}"
+        )
+    expected = {
+        "draft_probs": ("(B, G, V)", (batch, num_draft, vocab), draft_probs.shape),
+        "target_probs": (
+            "(B, G + 1, V)",
+            (batch, num_draft + 1, vocab),
+            target_probs.shape,
+        ),
+        "accept_uniforms": ("(B, G)", (batch, num_draft), accept_uniforms.shape),
+        "sample_uniforms": ("(B,)", (batch,), sample_uniforms.shape),
+    }
+    for name, (pattern, want, got) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(
+                f"{name} must have shape {pattern} = {want}, with B and G from "
+                f"draft_tokens {tuple(draft_tokens.shape)} and V from target_probs; "
+                f"got {tuple(got)}"
+            )
+
+
+def check_cheap_values(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+) -> tuple[Int[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]]:
+    """Checks the tokens, the uniforms and the draft tokens' probabilities, which the
+    step reads anyway.
+
+    **Returns:**
+
+    `draft_tokens`, `accept_uniforms` and `sample_uniforms`, tied to the checks so
+    that the step cannot run ahead of them.
+    """
+    vocab = target_probs.shape[-1]
+    draft_tokens = eqx.error_if(
+        draft_tokens,
+        (draft_tokens < 0) | (draft_tokens >= vocab),
+        f"draft_tokens must lie in [0, V) = [0, {vocab}); got a token outside it",
+    )
+    accept_uniforms = eqx.error_if(
+        accept_uniforms,
+        _outside_unit_interval(accept_uniforms),
+        "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
+    )
+    sample_uniforms = eqx.error_if(
+        sample_uniforms,
+        _outside_unit_interval(sample_uniforms),
+        "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
+    )
+    target_at_draft, draft_at_draft = draft_token_probs(
+        draft_tokens, draft_probs, target_probs
+    )
+    draft_tokens = eqx.error_if(
+        draft_tokens,
+        _not_a_probability(target_at_draft),
+        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "p_i(x_i) at a draft token",
+    )
+    draft_tokens = eqx.error_if(
+        draft_tokens,
+        _not_a_probability(draft_at_draft),
+        "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "q_i(x_i) at a draft token",
+    )
+    return draft_tokens, accept_uniforms, sample_uniforms
+
+
+def check_stopping_rows(
+    num_accepted: Int[Array, " batch"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> Int[Array, " batch"]:
+    """Checks the rows $p_n$ and $q_n$ that the residual reads.
+
+    **Returns:**
+
+    `num_accepted`, tied to the checks.
+    """
+    target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
+    num_accepted = eqx.error_if(
+        num_accepted,
+        _not_a_probability(target_row),
+        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "value in the row p_n at the stopping position n = num_accepted",
+    )
+    if draft_row is not None:
+        drafting = (num_accepted < draft_probs.shape[1])[:, None]
+        num_accepted = eqx.error_if(
+            num_accepted,
+            drafting & _not_a_probability(draft_row),
+            "draft_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite value in the row q_n at the stopping position n = num_accepted",
+        )
+    return num_accepted
+
+
+def check_all_probs(
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> tuple[Float[Array, "batch draft vocab"], Float[Array, "batch draft+1 vocab"]]:
+    """Scans every probability for negative or non-finite values: a full pass over
+    both arrays, so opt-in.
+    """
+    draft_probs = eqx.error_if(
+        draft_probs,
+        _not_a_probability(draft_probs),
+        "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "value",
+    )
+    target_probs = eqx.error_if(
+        target_probs,
+        _not_a_probability(target_probs),
+        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "value",
+    )
+    return draft_probs, target_probs
+
+
+def check_sampled(
+    token: Int[Array, " batch"], vocab: int
+) -> Int[Array, " batch"]:
+    """Checks that the sampler found a token, which fails only when the weights at the
+    stopping position have no positive mass.
+    """
+    return eqx.error_if(
+        token,
+        (token < 0) | (token >= vocab),
+        "no token can be drawn: the residual at the stopping position n has no positive "
+        "mass, even after falling back to target_probs[b, n], which has no positive "
+        "entry",
+    )
+
+
+def _outside_unit_interval(u: Float[Array, "*shape"]) -> Array:
+    return ~((u >= 0) & (u < 1))
+
+
+def _not_a_probability(x: Float[Array, "*shape"]) -> Array:
+    return ~(jnp.isfinite(x) & (x >= 0))

@@ -1,0 +1,172 @@
+"""The `speculax` command line: `demo` runs the worked examples, `run` one JSON input."""
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+INPUT_NAMES = (
+    "draft_tokens",
+    "draft_probs",
+    "target_probs",
+    "accept_uniforms",
+    "sample_uniforms",
+)
+
+
+class InputError(Exception):
+    """Bad input, reported as one line on standard error with exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `speculax` command line; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="speculax",
+        description="The verification step of speculative decoding.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "demo", help="run the worked examples of the specification and a random batch"
+    )
+    run_parser = commands.add_parser(
+        "run", help="run one step on a JSON object of the five inputs"
+    )
+    run_parser.add_argument(
+        "file", nargs="?", help="JSON file to read (default: standard input)"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo()
+    try:
+        print(_run(args.file))
+    except InputError as error:
+        print(f"speculax run: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(path: str | None) -> str:
+    try:
+        if path is None:
+            text = sys.stdin.read()
+        else:
+            with open(path) as file:
+                text = file.read()
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        inputs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(f"malformed JSON: {error}") from None
+    return json.dumps(step_json(inputs), separators=(",", ":"))
+
+
+def step_json(inputs: Any) -> dict[str, list]:
+    """Runs [`speculax.speculative_step`][] on a decoded JSON object.
+
+    **Raises:**
+
+    `InputError` with a one-line message for anything that is not a valid input.
+    """
+    from ._step import speculative_step
+
+    if not isinstance(inputs, dict):
+        raise InputError(
+            f"expected a JSON object with the keys {', '.join(INPUT_NAMES)}"
+        )
+    missing = [name for name in INPUT_NAMES if name not in inputs]
+    if missing:
+        raise InputError(f"missing key(s): {', '.join(missing)}")
+    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if unknown:
+        raise InputError(f"unknown key(s): {', '.join(unknown)}")
+    arrays = {name: _as_array(name, inputs[name]) for name in INPUT_NAMES}
+    try:
+        out = speculative_step(**arrays)
+        return {name: np.asarray(value).tolist() for name, value in out.items()}
+    except (ValueError, TypeError) as error:
+        raise InputError(str(error)) from None
+    except RuntimeError as error:
+        raise InputError(_runtime_message(error)) from None
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        raise InputError(f"{name} is not a rectangular array of numbers") from None
+    if array.dtype == object or array.dtype.kind not in "biuf":
+        raise InputError(f"{name} is not a rectangular array of numbers")
+    if array.dtype.kind == "f":
+        # JSON numbers are float64 in Python; the step computes in float32 unless x64 is
+        # on, in which case float64 input rightly gives float64 arithmetic.
+        array = array.astype(np.float32)
+    elif array.size == 0 and name == "draft_tokens":
+        array = array.astype(np.int32)
+    return array
+
+
+def _runtime_message(error: RuntimeError) -> str:
+    match = re.search(r"EquinoxRuntimeError: (.+)", str(error))
+    return match.group(1) if match else str(error).strip().splitlines()[0]
+
+
+def _demo() -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from ._examples import WORKED_EXAMPLES
+    from ._step import speculative_step
+
+    print("speculax demo: the worked examples of SPEC.md section 1\n")
+    all_matched = True
+    for number, (inputs, expected) in enumerate(WORKED_EXAMPLES, start=1):
+        tokens = np.asarray(inputs["draft_tokens"])
+        vocab = np.asarray(inputs["target_probs"]).shape[-1]
+        print(
+            f"example {number}: B={tokens.shape[0]} G={tokens.shape[1]} V={vocab}  "
+            f"draft_tokens={inputs['draft_tokens']}  "
+            f"accept_uniforms={inputs['accept_uniforms']}  "
+            f"sample_uniforms={inputs['sample_uniforms']}"
+        )
+        got = step_json(inputs)
+        matched = got == expected
+        all_matched &= matched
+        print(f"  got      {json.dumps(got, separators=(',', ':'))}")
+        print(f"  expected {json.dumps(expected, separators=(',', ':'))}")
+        print(f"  {'MATCH' if matched else 'MISMATCH'}\n")
+
+    batch, num_draft, vocab = 4, 4, 32000
+    key_target, key_draft, key_tokens, key_accept, key_sample = jax.random.split(
+        jax.random.key(0), 5
+    )
+    target_probs = jax.nn.softmax(
+        2.0 * jax.random.normal(key_target, (batch, num_draft + 1, vocab)), axis=-1
+    )
+    draft_logits = jnp.log(target_probs[:, :num_draft]) + 0.5 * jax.random.normal(
+        key_draft, (batch, num_draft, vocab)
+    )
+    draft_probs = jax.nn.softmax(draft_logits, axis=-1)
+    draft_tokens = jax.random.categorical(key_tokens, draft_logits, axis=-1)
+    out = speculative_step(
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        jax.random.uniform(key_accept, (batch, num_draft)),
+        jax.random.uniform(key_sample, (batch,)),
+    )
+    print(
+        f"random batch: B={batch} G={num_draft} V={vocab}, drafts sampled from a "
+        "perturbed copy of the target"
+    )
+    print(f"  draft_tokens = {np.asarray(draft_tokens).tolist()}")
+    print(f"  num_accepted = {np.asarray(out['num_accepted']).tolist()}")
+    print(f"  tokens       = {np.asarray(out['tokens']).tolist()}\n")
+
+    print("all worked examples match" if all_matched else "a worked example DIFFERS")
+    return 0 if all_matched else 1

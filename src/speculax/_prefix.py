@@ -1,0 +1,42 @@
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+
+class AbstractPrefixCount(eqx.Module):
+    """Turns per-position verdicts into the number of accepted draft tokens.
+
+    Subclass it and implement `__call__` to write your own rule; plug it into
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(prefix=...)`.
+    """
+
+    @abc.abstractmethod
+    def __call__(self, passed: Bool[Array, "batch draft"]) -> Int[Array, " batch"]:
+        """**Arguments:**
+
+        - `passed`: whether each position's acceptance test passed.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`, each entry in `[0, draft]`.
+        """
+
+
+class PrefixCount(AbstractPrefixCount):
+    """Counts the tests passed before the first failure: $n$ is the length of the
+    leading run of `True` in each row, or `draft` when every test passes.
+    """
+
+    def __call__(self, passed: Bool[Array, "batch draft"]) -> Int[Array, " batch"]:
+        """**Arguments:**
+
+        - `passed`: whether each position's acceptance test passed.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`: the number of leading `True` per row.
+        """
+        still_accepting = jnp.cumprod(passed.astype(jnp.int32), axis=-1)
+        return jnp.sum(still_accepting, axis=-1, dtype=jnp.int32)

@@ -1,0 +1,103 @@
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._numerics import upcast
+
+
+class AbstractResidual(eqx.Module):
+    """Builds the unnormalised weights that the correction (or bonus) token is drawn
+    from, for the one position $n$ of each batch element where drafting stopped.
+
+    Subclass it and implement `__call__` to write your own; plug it into
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(residual=...)`. An
+    implementation should read only row $n$ of each batch element: the other
+    $G$ positions are never needed.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+    ) -> Float[Array, "batch vocab"]:
+        """**Arguments:**
+
+        - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
+        - `draft_tokens`: $x_i$, the draft tokens.
+        - `draft_probs`: $q_i$, the draft distributions.
+        - `target_probs`: $p_i$, the target distributions, one more position than the
+            drafts.
+
+        **Returns:**
+
+        Non-negative weights of shape `(batch, vocab)`, in the arithmetic dtype (float32
+        for half and single inputs, float64 for float64 inputs), not necessarily
+        normalised.
+        """
+
+
+class Residual(AbstractResidual):
+    """The residual distribution of speculative decoding.
+
+    For $n < G$ the weights are $w(v) = \\max(p_n(v) - q_n(v), 0)$: the target mass the
+    draft under-proposed, which is what makes the step lossless. For $n = G$ (every
+    draft accepted) they are the bonus distribution $w(v) = p_G(v)$. If the weights have
+    no positive entry, which only rounding or unnormalised inputs can cause, they fall
+    back to $w = p_n$.
+
+    Reads the two rows $p_n$ and $q_n$ of each batch element and nothing else.
+    """
+
+    def __call__(
+        self,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+    ) -> Float[Array, "batch vocab"]:
+        """**Arguments:**
+
+        - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
+        - `draft_tokens`: $x_i$, the draft tokens (unused by this residual).
+        - `draft_probs`: $q_i$, the draft distributions.
+        - `target_probs`: $p_i$, the target distributions, one more position than the
+            drafts.
+
+        **Returns:**
+
+        The weights $w$ of shape `(batch, vocab)` in the arithmetic dtype.
+        """
+        del draft_tokens
+        target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
+        target_row = upcast(target_row)
+        if draft_row is None:
+            return target_row
+        drafting = (num_accepted < draft_probs.shape[1])[:, None]
+        excess = jnp.maximum(target_row - upcast(draft_row), 0)
+        weights = jnp.where(drafting, excess, target_row)
+        has_mass = jnp.any(weights > 0, axis=-1, keepdims=True)
+        return jnp.where(has_mass, weights, target_row)
+
+
+def stopping_rows(
+    num_accepted: Int[Array, " batch"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> tuple[Float[Array, "batch vocab"], Float[Array, "batch vocab"] | None]:
+    """Gathers $p_n$ and $q_n$ in their input dtype.
+
+    $q_n$ is `None` when there are no draft positions at all; when $n = G$ it is the
+    last draft row, a stand-in that the caller must mask out.
+    """
+    batch = jnp.arange(num_accepted.shape[0])
+    target_row = target_probs[batch, num_accepted]
+    num_draft = draft_probs.shape[1]
+    if num_draft == 0:
+        return target_row, None
+    draft_row = draft_probs[batch, jnp.minimum(num_accepted, num_draft - 1)]
+    return target_row, draft_row

@@ -1,0 +1,114 @@
+import abc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._numerics import upcast
+
+
+class AbstractSampler(eqx.Module):
+    """Draws one token per batch element from unnormalised non-negative weights,
+    driven by one uniform number per element.
+
+    Subclass it and implement `__call__` to write your own; plug it into
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        """**Arguments:**
+
+        - `weights`: non-negative, not necessarily normalised weights $w$.
+        - `sample_uniforms`: $s$, uniform noise in `[0, 1)`.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`: a token $y$ with $w(y) > 0$, or `-1` for a
+        row with no positive weight.
+        """
+
+
+class InverseCDF(AbstractSampler):
+    """Inverse-CDF sampling: $y$ is the smallest $v$ with $r(0) + \\dots + r(v) > s$,
+    where $r = w / \\sum w$.
+
+    Computed as the smallest $v$ whose unnormalised cumulative weight exceeds
+    $s \\sum w$, without a cumulative sum over the whole vocabulary: the weights are
+    summed in blocks of `block_size`, a tree-shaped prefix sum over the block sums
+    finds the block where the threshold is crossed, and a short cumulative sum inside
+    that one block finds the token. Every partial sum covers at most `block_size`
+    entries or is tree-shaped, so the float32 cumulative sums stay within about
+    $10^{-7}$ of the exact ones even at a vocabulary of 262144, where a sequential
+    running sum would drift by $10^{-5}$.
+
+    Two rules make the answer well defined under rounding: $y$ always has $w(y) > 0$
+    (a token of zero probability is never emitted), and when rounding leaves no $v$
+    whose cumulative weight exceeds the threshold, $y$ is the largest $v$ with
+    $w(v) > 0$. A row with no positive weight at all gives $-1$.
+    """
+
+    block_size: int = eqx.field(static=True, default=256)
+
+    def __check_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive; got {self.block_size}")
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        """**Arguments:**
+
+        - `weights`: non-negative, not necessarily normalised weights $w$.
+        - `sample_uniforms`: $s$, uniform noise in `[0, 1)`.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`: the token $y$ per row, or `-1` for a row
+        with no positive weight.
+        """
+        weights = upcast(weights)
+        batch, vocab = weights.shape
+        block_size = min(self.block_size, vocab)
+        num_blocks = -(-vocab // block_size)
+        padding = num_blocks * block_size - vocab
+        blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
+            batch, num_blocks, block_size
+        )
+        block_mass = jnp.sum(blocks, axis=-1)
+        through_block = jax.lax.associative_scan(jnp.add, block_mass, axis=-1)
+        total = through_block[:, -1]
+        threshold = (sample_uniforms.astype(weights.dtype) * total)[:, None]
+
+        block_index = _first_crossing(through_block > threshold, block_mass > 0)
+        chosen = jnp.take_along_axis(blocks, block_index[:, None, None], axis=1)[:, 0]
+        before_block = jnp.take_along_axis(
+            through_block, jnp.maximum(block_index - 1, 0)[:, None], axis=1
+        )
+        before_block = jnp.where(block_index[:, None] > 0, before_block, 0)
+        through_token = before_block + jnp.cumsum(chosen, axis=-1)
+        token_in_block = _first_crossing(through_token > threshold, chosen > 0)
+
+        token = block_index * block_size + token_in_block
+        return jnp.where(total > 0, token, -1).astype(jnp.int32)
+
+
+def _first_crossing(
+    crossed: Bool[Array, "batch n"], positive: Bool[Array, "batch n"]
+) -> Int[Array, " batch"]:
+    """The first index that is both crossed and positive; where there is none (the
+    threshold was not reached, by rounding), the last positive index.
+    """
+    hit = crossed & positive
+    first_hit = jnp.argmax(hit, axis=-1)
+    last_positive = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    return jnp.where(jnp.any(hit, axis=-1), first_hit, last_positive).astype(
+        jnp.int32
+    )

@@ -1,0 +1,217 @@
+from typing import TypedDict
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Int
+
+from ._acceptance import AbstractAcceptance, RatioAcceptance
+from ._checks import (
+    check_all_probs,
+    check_cheap_values,
+    check_sampled,
+    check_stopping_rows,
+    check_structure,
+)
+from ._prefix import AbstractPrefixCount, PrefixCount
+from ._residual import AbstractResidual, Residual
+from ._sampling import AbstractSampler, InverseCDF
+
+
+class StepOutput(TypedDict):
+    """What one verification step returns: a plain `dict` with exactly these keys.
+
+    - `num_accepted`: int32 array of shape `(batch,)`, the number $n$ of accepted draft
+        tokens per row.
+    - `tokens`: int32 array of shape `(batch, draft + 1)`; row $b$ holds the $n$
+        accepted draft tokens, then the drawn token $y$, then `-1` in every remaining
+        position.
+    """
+
+    num_accepted: Int[Array, " batch"]
+    tokens: Int[Array, "batch draft+1"]
+
+
+class SpeculativeStep(eqx.Module):
+    """One verification step of speculative decoding, assembled from four pieces.
+
+    Draft token $x_i$ passes when $u_i < p_i(x_i) / q_i(x_i)$; $n$ counts the tests
+    passed before the first failure; one more token $y$ is drawn at position $n$ from
+    $r \\propto \\max(p_n - q_n, 0)$ (or from $p_G$ when every draft passed) by inverse
+    CDF with uniform $s$. If every $x_i$ was drawn from $q_i$, token $k$ of the output
+    (given $n \\ge k$) is distributed exactly as $p_k$.
+
+    Each piece is a field and can be swapped, through the constructor or with
+    `eqx.tree_at(lambda s: s.acceptance, step, MyAcceptance())`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    step = speculax.SpeculativeStep()
+    out = step(
+        draft_tokens=jnp.array([[2]]),
+        draft_probs=jnp.array([[[0.01, 0.25, 0.49, 0.01, 0.24]]]),
+        target_probs=jnp.array(
+            [[[0.24, 0.31, 0.06, 0.05, 0.34], [0.04, 0.17, 0.1, 0.14, 0.55]]]
+        ),
+        accept_uniforms=jnp.array([[0.66]]),
+        sample_uniforms=jnp.array([0.38]),
+    )
+    assert out["num_accepted"].tolist() == [0]
+    assert out["tokens"].tolist() == [[0, -1]]
+    ```
+    """
+
+    acceptance: AbstractAcceptance = RatioAcceptance()
+    prefix: AbstractPrefixCount = PrefixCount()
+    residual: AbstractResidual = Residual()
+    sampler: AbstractSampler = InverseCDF()
+    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
+    check_all_probs: bool = eqx.field(static=True, default=False, kw_only=True)
+
+    def __call__(
+        self,
+        draft_tokens: ArrayLike,
+        draft_probs: ArrayLike,
+        target_probs: ArrayLike,
+        accept_uniforms: ArrayLike,
+        sample_uniforms: ArrayLike,
+    ) -> StepOutput:
+        """Runs the step on a batch.
+
+        The arguments are JAX or NumPy arrays (or nested lists) of these shapes, with
+        $B$ rows, $G$ draft positions and a vocabulary of $V$; their structure is
+        checked before any arithmetic, and a mismatch raises `ValueError` (shapes) or
+        `TypeError` (dtypes), under `jit` and `vmap` too.
+
+        **Arguments:**
+
+        - `draft_tokens`: integer `(B, G)`, $x_i$, each in `[0, V)`.
+        - `draft_probs`: float `(B, G, V)`, $q_i$, the distribution $x_i$ was drawn from.
+        - `target_probs`: float `(B, G + 1, V)`, $p_i$; $p_G$ follows the last draft.
+        - `accept_uniforms`: float `(B, G)` in `[0, 1)`, $u_i$.
+        - `sample_uniforms`: float `(B,)` in `[0, 1)`, $s$.
+
+        **Returns:**
+
+        A [`speculax.StepOutput`][] dict with the keys `num_accepted` (int32 `(B,)`)
+        and `tokens` (int32 `(B, G + 1)`).
+
+        **Raises:**
+
+        With `check_values=True` (the default), an Equinox runtime error (a
+        `RuntimeError`) when a draft token lies outside `[0, V)`, a uniform outside
+        `[0, 1)` or is NaN, a probability the step reads is negative or not finite, or
+        the distribution drawn from has no positive mass. With `check_all_probs=True`,
+        also when any probability anywhere is negative or not finite.
+        """
+        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = (
+            jnp.asarray(draft_tokens),
+            jnp.asarray(draft_probs),
+            jnp.asarray(target_probs),
+            jnp.asarray(accept_uniforms),
+            jnp.asarray(sample_uniforms),
+        )
+        check_structure(
+            draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+        )
+        if self.check_all_probs:
+            draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
+        if self.check_values:
+            draft_tokens, accept_uniforms, sample_uniforms = check_cheap_values(
+                draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+            )
+
+        passed = self.acceptance(draft_tokens, draft_probs, target_probs, accept_uniforms)
+        num_accepted = self.prefix(passed)
+        if self.check_values:
+            num_accepted = check_stopping_rows(num_accepted, draft_probs, target_probs)
+        weights = self.residual(num_accepted, draft_tokens, draft_probs, target_probs)
+        drawn = self.sampler(weights, sample_uniforms)
+        if self.check_values:
+            drawn = check_sampled(drawn, target_probs.shape[-1])
+
+        return {
+            "num_accepted": num_accepted.astype(jnp.int32),
+            "tokens": _assemble_tokens(draft_tokens, num_accepted, drawn),
+        }
+
+
+def _assemble_tokens(
+    draft_tokens: Int[Array, "batch draft"],
+    num_accepted: Int[Array, " batch"],
+    drawn: Int[Array, " batch"],
+) -> Int[Array, "batch draft+1"]:
+    batch, num_draft = draft_tokens.shape
+    position = jnp.arange(num_draft + 1)[None, :]
+    stop = num_accepted[:, None]
+    padded = jnp.concatenate(
+        [draft_tokens.astype(jnp.int32), jnp.full((batch, 1), -1, jnp.int32)], axis=1
+    )
+    return jnp.where(
+        position < stop,
+        padded,
+        jnp.where(position == stop, drawn[:, None].astype(jnp.int32), -1),
+    )
+
+
+_default_step = eqx.filter_jit(SpeculativeStep())
+
+
+def speculative_step(
+    draft_tokens: ArrayLike,
+    draft_probs: ArrayLike,
+    target_probs: ArrayLike,
+    accept_uniforms: ArrayLike,
+    sample_uniforms: ArrayLike,
+) -> StepOutput:
+    """The verification step with the default pieces, compiled once per input
+    structure and cached.
+
+    Equivalent to `eqx.filter_jit(SpeculativeStep())(...)`; see
+    [`speculax.SpeculativeStep.__call__`][] for the arguments, the shapes and the
+    errors.
+
+    **Arguments:**
+
+    - `draft_tokens`: integer `(B, G)`.
+    - `draft_probs`: float `(B, G, V)`.
+    - `target_probs`: float `(B, G + 1, V)`.
+    - `accept_uniforms`: float `(B, G)` in `[0, 1)`.
+    - `sample_uniforms`: float `(B,)` in `[0, 1)`.
+
+    Each may be a JAX array, a NumPy array or a nested Python list.
+
+    **Returns:**
+
+    A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)` and `tokens` int32
+    `(B, G + 1)`.
+
+    **Example:**
+
+    ```python
+    import speculax
+
+    out = speculax.speculative_step(
+        draft_tokens=[[3, 2]],
+        draft_probs=[[[0.2, 0.59, 0.04, 0.17], [0.12, 0.43, 0.42, 0.03]]],
+        target_probs=[
+            [[0.04, 0.44, 0.24, 0.28], [0.27, 0.36, 0.23, 0.14], [0.19, 0.34, 0.07, 0.4]]
+        ],
+        accept_uniforms=[[0.27, 0.79]],
+        sample_uniforms=[0.92],
+    )
+    assert out["tokens"].tolist() == [[3, 3, -1]]
+    ```
+    """
+    # Lists must become arrays before jit, which would otherwise see each number as a
+    # separate scalar argument.
+    return _default_step(
+        jnp.asarray(draft_tokens),
+        jnp.asarray(draft_probs),
+        jnp.asarray(target_probs),
+        jnp.asarray(accept_uniforms),
+        jnp.asarray(sample_uniforms),
+    )
