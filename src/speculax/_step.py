@@ -1,7 +1,9 @@
-from typing import TypedDict
+from collections.abc import Sequence
+from typing import Any, TypeAlias, TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
 from ._acceptance import AbstractAcceptance, RatioAcceptance
@@ -16,6 +18,10 @@ from ._prefix import AbstractPrefixCount, PrefixCount
 from ._residual import AbstractResidual, Residual
 from ._sampling import AbstractSampler, InverseCDF
 
+
+# The entry points take JAX arrays, NumPy arrays or nested Python lists, and check their
+# structure themselves: jaxtyping shapes are on the pieces, which see arrays only.
+InputArray: TypeAlias = ArrayLike | Sequence[Any]
 
 class StepOutput(TypedDict):
     """What one verification step returns: a plain `dict` with exactly these keys.
@@ -73,11 +79,11 @@ class SpeculativeStep(eqx.Module):
 
     def __call__(
         self,
-        draft_tokens: ArrayLike,
-        draft_probs: ArrayLike,
-        target_probs: ArrayLike,
-        accept_uniforms: ArrayLike,
-        sample_uniforms: ArrayLike,
+        draft_tokens: InputArray,
+        draft_probs: InputArray,
+        target_probs: InputArray,
+        accept_uniforms: InputArray,
+        sample_uniforms: InputArray,
     ) -> StepOutput:
         """Runs the step on a batch.
 
@@ -108,7 +114,7 @@ class SpeculativeStep(eqx.Module):
         also when any probability anywhere is negative or not finite.
         """
         draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = (
-            jnp.asarray(draft_tokens),
+            _token_array(draft_tokens),
             jnp.asarray(draft_probs),
             jnp.asarray(target_probs),
             jnp.asarray(accept_uniforms),
@@ -139,6 +145,14 @@ class SpeculativeStep(eqx.Module):
         }
 
 
+def _token_array(draft_tokens: InputArray) -> Array:
+    # An empty nested list has no dtype of its own (NumPy would call it float), but the
+    # tokens of a step with G = 0 are integers all the same.
+    if isinstance(draft_tokens, Sequence) and np.size(draft_tokens) == 0:
+        return jnp.asarray(draft_tokens, jnp.int32)
+    return jnp.asarray(draft_tokens)
+
+
 def _assemble_tokens(
     draft_tokens: Int[Array, "batch draft"],
     num_accepted: Int[Array, " batch"],
@@ -161,11 +175,11 @@ _default_step = eqx.filter_jit(SpeculativeStep())
 
 
 def speculative_step(
-    draft_tokens: ArrayLike,
-    draft_probs: ArrayLike,
-    target_probs: ArrayLike,
-    accept_uniforms: ArrayLike,
-    sample_uniforms: ArrayLike,
+    draft_tokens: InputArray,
+    draft_probs: InputArray,
+    target_probs: InputArray,
+    accept_uniforms: InputArray,
+    sample_uniforms: InputArray,
 ) -> StepOutput:
     """The verification step with the default pieces, compiled once per input
     structure and cached.
@@ -209,7 +223,7 @@ def speculative_step(
     # Lists must become arrays before jit, which would otherwise see each number as a
     # separate scalar argument.
     return _default_step(
-        jnp.asarray(draft_tokens),
+        _token_array(draft_tokens),
         jnp.asarray(draft_probs),
         jnp.asarray(target_probs),
         jnp.asarray(accept_uniforms),

@@ -1,0 +1,197 @@
+"""Each piece alone, against values computed by hand."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _acceptance(draft_token_p, draft_token_q, u):
+    """Runs RatioAcceptance on one position whose draft token is 0."""
+    import speculax
+
+    vocab = 2
+    target = jnp.zeros((1, 2, vocab)).at[0, 0, 0].set(draft_token_p)
+    draft = jnp.zeros((1, 1, vocab)).at[0, 0, 0].set(draft_token_q)
+    passed = speculax.RatioAcceptance()(
+        jnp.zeros((1, 1), jnp.int32), draft, target, jnp.array([[u]])
+    )
+    return bool(passed[0, 0])
+
+
+@pytest.mark.parametrize(
+    "p, q, u, expected",
+    [
+        (0.28, 0.17, 0.27, True),  # ratio 1.647: passes
+        (0.23, 0.42, 0.79, False),  # ratio 0.548
+        (0.23, 0.42, 0.5, True),
+        (0.5, 1.0, 0.5, False),  # u == p / q exactly: the test is strict
+        (0.3, 0.0, 0.99, True),  # q = 0, p > 0: passes whatever u
+        (0.0, 0.0, 0.0, False),  # q = 0, p = 0: fails
+        (0.0, 0.4, 0.0, False),  # p = 0 never passes, even with u = 0
+        (1e-30, 1e-30, 0.999, True),
+    ],
+)
+def test_ratio_acceptance_by_hand(p, q, u, expected):
+    assert _acceptance(p, q, u) is expected
+
+
+@pytest.mark.parametrize(
+    "passed, expected",
+    [
+        ([[True, False, True]], [1]),
+        ([[True, True, True]], [3]),
+        ([[False, True, True]], [0]),
+        ([[True, True, False], [False, False, False]], [2, 0]),
+        (np.zeros((2, 0), bool), [0, 0]),
+    ],
+)
+def test_prefix_count_stops_at_the_first_failure(passed, expected):
+    import speculax
+
+    count = speculax.PrefixCount()(jnp.asarray(passed))
+    assert count.dtype == jnp.int32
+    assert count.tolist() == expected
+
+
+# One row, G = 2, V = 4; the draft rows and target rows are distinct so that reading the
+# wrong row shows.
+DRAFT = [[[0.2, 0.59, 0.04, 0.17], [0.12, 0.43, 0.42, 0.03]]]
+TARGET = [[[0.04, 0.44, 0.24, 0.28], [0.27, 0.36, 0.23, 0.14], [0.19, 0.34, 0.07, 0.4]]]
+
+
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (0, [0.0, 0.0, 0.2, 0.11]),  # max(p_0 - q_0, 0)
+        (1, [0.15, 0.0, 0.0, 0.11]),  # max(p_1 - q_1, 0), the SPEC's example
+        (2, [0.19, 0.34, 0.07, 0.4]),  # n = G: the bonus distribution p_G
+    ],
+)
+def test_residual_reads_row_n(n, expected):
+    import speculax
+
+    weights = speculax.Residual()(
+        jnp.array([n]), jnp.array([[3, 2]]), jnp.array(DRAFT), jnp.array(TARGET)
+    )
+    np.testing.assert_allclose(weights[0], expected, atol=1e-7)
+
+
+def test_residual_falls_back_to_p_n_when_nothing_is_left():
+    import speculax
+
+    target = jnp.array([[[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]]])
+    weights = speculax.Residual()(
+        jnp.array([0]), jnp.array([[1]]), target[:, :1], target
+    )
+    np.testing.assert_array_equal(weights, target[:, 0])
+
+
+def test_residual_without_draft_positions_is_p_0():
+    import speculax
+
+    target = jnp.array([[[0.1, 0.6, 0.3]]])
+    weights = speculax.Residual()(
+        jnp.array([0]), jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0, 3)), target
+    )
+    np.testing.assert_array_equal(weights, target[:, 0])
+
+
+@pytest.mark.parametrize(
+    "weights, s, expected",
+    [
+        ([0.15, 0.0, 0.0, 0.11], 0.92, 3),  # the SPEC's example
+        ([0.15, 0.0, 0.0, 0.11], 0.5, 0),
+        ([0.15, 0.0, 0.0, 0.11], 0.0, 0),
+        ([0.0, 0.0, 2.0, 0.0], 0.0, 2),  # never a zero-weight token, even at s = 0
+        ([0.5, 0.5, 0.0, 0.0], 0.999, 1),
+        ([1.0], 0.3, 0),
+        ([0.0, 0.0, 0.0], 0.3, -1),  # no positive weight: no token
+    ],
+)
+def test_inverse_cdf_by_hand(weights, s, expected):
+    import speculax
+
+    token = speculax.InverseCDF()(jnp.array([weights]), jnp.array([s]))
+    assert token.dtype == jnp.int32
+    assert token.tolist() == [expected]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 256])
+@pytest.mark.parametrize("trailing_zeros", [0, 1, 700])
+def test_inverse_cdf_near_one_never_runs_off_the_end(block_size, trailing_zeros):
+    """With $s$ the largest float32 below 1, rounding can leave no cumulative sum above
+    $s \\sum w$; the token is then the last one with positive weight, never a trailing
+    zero."""
+    import speculax
+
+    rng = np.random.default_rng(trailing_zeros + block_size)
+    positive = rng.random(1000).astype(np.float32) + 0.01
+    weights = np.concatenate([positive, np.zeros(trailing_zeros, np.float32)])
+    s = np.nextafter(np.float32(1), np.float32(0))
+    token = speculax.InverseCDF(block_size=block_size)(
+        jnp.array([weights]), jnp.array([s])
+    )
+    assert token.tolist() == [999]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 5, 7, 64])
+def test_inverse_cdf_block_size_does_not_change_the_answer(block_size):
+    import speculax
+
+    rng = np.random.default_rng(block_size)
+    weights = rng.random((16, 37)) * (rng.random((16, 37)) < 0.5)
+    weights[:, 5] += 0.01
+    s = rng.random(16)
+    cdf = np.cumsum(weights, -1) / weights.sum(-1, keepdims=True)
+    expected = (cdf <= s[:, None]).sum(-1)
+    token = speculax.InverseCDF(block_size=block_size)(
+        jnp.asarray(weights, jnp.float32), jnp.asarray(s, jnp.float32)
+    )
+    np.testing.assert_array_equal(token, expected)
+
+
+def test_inverse_cdf_rejects_a_non_positive_block_size():
+    import speculax
+
+    with pytest.raises(ValueError, match="block_size"):
+        speculax.InverseCDF(block_size=0)
+
+
+def test_swapping_a_custom_acceptance_changes_the_count():
+    import speculax
+
+    class AcceptEverything(speculax.AbstractAcceptance):
+        def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms):
+            return jnp.ones(draft_tokens.shape, bool)
+
+    inputs = {
+        "draft_tokens": jnp.array([[3, 2]]),
+        "draft_probs": jnp.array(DRAFT),
+        "target_probs": jnp.array(TARGET),
+        "accept_uniforms": jnp.array([[0.27, 0.79]]),
+        "sample_uniforms": jnp.array([0.92]),
+    }
+    default = speculax.SpeculativeStep()
+    assert default(**inputs)["num_accepted"].tolist() == [1]
+
+    by_constructor = speculax.SpeculativeStep(acceptance=AcceptEverything())
+    by_tree_at = eqx.tree_at(lambda step: step.acceptance, default, AcceptEverything())
+    for step in (by_constructor, by_tree_at):
+        out = step(**inputs)
+        # All accepted, so y is drawn from p_G = [0.19, 0.34, 0.07, 0.4] at s = 0.92.
+        assert out["num_accepted"].tolist() == [2]
+        assert out["tokens"].tolist() == [[3, 2, 3]]
+
+
+def test_abstract_pieces_cannot_be_instantiated():
+    import speculax
+
+    for abstract in (
+        speculax.AbstractAcceptance,
+        speculax.AbstractPrefixCount,
+        speculax.AbstractResidual,
+        speculax.AbstractSampler,
+    ):
+        with pytest.raises(TypeError):
+            abstract()
