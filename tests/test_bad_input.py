@@ -1,0 +1,420 @@
+"""SPEC section 3: every bad input gets the right error, every odd-but-valid input the
+right answer, eagerly, under `jit` and under `vmap`.
+
+`CASES` is the library's documented behaviour on bad input, kept in one table.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from inputs import random_inputs
+from oracle import judge
+
+
+BATCH, DRAFT, VOCAB = 2, 3, 5
+Inputs = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    change: Callable[[Inputs], None]
+    error: type[Exception] | None = None  # None: a valid input, judged by the oracle
+    match: str = ""
+
+
+def _set(name, value):
+    def change(inputs):
+        inputs[name] = np.asarray(value)
+
+    return change
+
+
+def _put(name, index, value):
+    def change(inputs):
+        inputs[name] = inputs[name].copy()
+        inputs[name][index] = value
+
+    return change
+
+
+def _cast(name, dtype):
+    def change(inputs):
+        inputs[name] = inputs[name].astype(dtype)
+
+    return change
+
+
+def _reshape(name, shape):
+    def change(inputs):
+        inputs[name] = np.resize(inputs[name], shape)
+
+    return change
+
+
+def _stop_at_zero(inputs):
+    """Makes every row reject its first draft token (p_0(x_0) = 0), so n = 0 and only
+    the rows p_0 and q_0 are read."""
+    inputs["target_probs"] = inputs["target_probs"].copy()
+    first = inputs["draft_tokens"][:, 0]
+    inputs["target_probs"][np.arange(BATCH), 0, first] = 0.0
+
+
+def _then(*changes):
+    def change(inputs):
+        for step in changes:
+            step(inputs)
+
+    return change
+
+
+def _empty_batch(inputs):
+    for name, value in inputs.items():
+        inputs[name] = value[:0]
+
+
+def _no_drafts(inputs):
+    inputs["draft_tokens"] = inputs["draft_tokens"][:, :0]
+    inputs["draft_probs"] = inputs["draft_probs"][:, :0]
+    inputs["target_probs"] = inputs["target_probs"][:, :1]
+    inputs["accept_uniforms"] = inputs["accept_uniforms"][:, :0]
+
+
+def _one_token_vocabulary(inputs):
+    inputs["draft_tokens"] = np.zeros_like(inputs["draft_tokens"])
+    inputs["draft_probs"] = np.ones((BATCH, DRAFT, 1), np.float32)
+    inputs["target_probs"] = np.ones((BATCH, DRAFT + 1, 1), np.float32)
+
+
+LARGEST_BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
+CASES = [
+    # Structure: at trace time, always.
+    Case(
+        "tokens rank 1",
+        _reshape("draft_tokens", (BATCH * DRAFT,)),
+        ValueError,
+        r"draft_tokens must have rank 2, shape \(B, G\); got shape \(6,\)",
+    ),
+    Case(
+        "draft_probs rank 2",
+        _reshape("draft_probs", (BATCH, DRAFT * VOCAB)),
+        ValueError,
+        r"draft_probs must have rank 3",
+    ),
+    Case(
+        "target_probs rank 4",
+        _reshape("target_probs", (BATCH, DRAFT + 1, VOCAB, 1)),
+        ValueError,
+        r"target_probs must have rank 3",
+    ),
+    Case(
+        "accept_uniforms rank 1",
+        _reshape("accept_uniforms", (BATCH * DRAFT,)),
+        ValueError,
+        r"accept_uniforms must have rank 2",
+    ),
+    Case(
+        "sample_uniforms rank 2",
+        _reshape("sample_uniforms", (BATCH, 1)),
+        ValueError,
+        r"sample_uniforms must have rank 1",
+    ),
+    Case(
+        "draft_probs batch",
+        _reshape("draft_probs", (BATCH + 1, DRAFT, VOCAB)),
+        ValueError,
+        r"draft_probs must have shape \(B, G, V\) = \(2, 3, 5\).*"
+        r"got \(3, 3, 5\)",
+    ),
+    Case(
+        "draft_probs draft",
+        _reshape("draft_probs", (BATCH, DRAFT - 1, VOCAB)),
+        ValueError,
+        r"draft_probs must have shape \(B, G, V\) = \(2, 3, 5\)",
+    ),
+    Case(
+        "draft_probs vocab",
+        _reshape("draft_probs", (BATCH, DRAFT, VOCAB + 1)),
+        ValueError,
+        r"draft_probs must have shape \(B, G, V\) = \(2, 3, 5\)",
+    ),
+    Case(
+        "target_probs without the extra position",
+        _reshape("target_probs", (BATCH, DRAFT, VOCAB)),
+        ValueError,
+        r"target_probs must have shape \(B, G \+ 1, V\) = \(2, 4, 5\).*got \(2, 3, 5\)",
+    ),
+    Case(
+        "target_probs batch",
+        _reshape("target_probs", (1, DRAFT + 1, VOCAB)),
+        ValueError,
+        r"target_probs must have shape \(B, G \+ 1, V\) = \(2, 4, 5\)",
+    ),
+    Case(
+        "accept_uniforms shape",
+        _reshape("accept_uniforms", (BATCH, DRAFT + 1)),
+        ValueError,
+        r"accept_uniforms must have shape \(B, G\) = \(2, 3\)",
+    ),
+    Case(
+        "sample_uniforms shape",
+        _reshape("sample_uniforms", (BATCH + 1,)),
+        ValueError,
+        r"sample_uniforms must have shape \(B,\) = \(2,\)",
+    ),
+    Case(
+        "empty vocabulary",
+        _then(
+            _reshape("draft_probs", (BATCH, DRAFT, 0)),
+            _reshape("target_probs", (BATCH, DRAFT + 1, 0)),
+        ),
+        ValueError,
+        r"target_probs must have a vocabulary axis of size at least 1",
+    ),
+    Case(
+        "float tokens",
+        _cast("draft_tokens", np.float32),
+        TypeError,
+        r"draft_tokens must have an integer dtype; got float32",
+    ),
+    Case(
+        "bool tokens",
+        _cast("draft_tokens", bool),
+        TypeError,
+        r"draft_tokens must have an integer dtype; got bool",
+    ),
+    Case(
+        "integer draft_probs",
+        _cast("draft_probs", np.int32),
+        TypeError,
+        r"draft_probs must have a floating-point dtype; got int32",
+    ),
+    Case(
+        "integer target_probs",
+        _cast("target_probs", np.int32),
+        TypeError,
+        r"target_probs must have a floating-point dtype; got int32",
+    ),
+    Case(
+        "integer accept_uniforms",
+        _cast("accept_uniforms", np.int32),
+        TypeError,
+        r"accept_uniforms must have a floating-point dtype",
+    ),
+    Case(
+        "integer sample_uniforms",
+        _cast("sample_uniforms", np.int32),
+        TypeError,
+        r"sample_uniforms must have a floating-point dtype",
+    ),
+    # Values: at run time, through Equinox's runtime errors.
+    Case(
+        "token -1",
+        _put("draft_tokens", (1, 2), -1),
+        RuntimeError,
+        r"draft_tokens must lie in \[0, V\) = \[0, 5\)",
+    ),
+    Case(
+        "token V",
+        _put("draft_tokens", (0, 0), VOCAB),
+        RuntimeError,
+        r"draft_tokens must lie in \[0, V\) = \[0, 5\)",
+    ),
+    Case(
+        "accept uniform 1.0",
+        _put("accept_uniforms", (0, 1), 1.0),
+        RuntimeError,
+        r"accept_uniforms must lie in \[0, 1\)",
+    ),
+    Case(
+        "accept uniform -0.1",
+        _put("accept_uniforms", (1, 0), -0.1),
+        RuntimeError,
+        r"accept_uniforms must lie in \[0, 1\)",
+    ),
+    Case(
+        "accept uniform NaN",
+        _put("accept_uniforms", (1, 2), np.nan),
+        RuntimeError,
+        r"accept_uniforms must lie in \[0, 1\)",
+    ),
+    Case(
+        "sample uniform 1.0",
+        _put("sample_uniforms", 0, 1.0),
+        RuntimeError,
+        r"sample_uniforms must lie in \[0, 1\)",
+    ),
+    Case(
+        "sample uniform NaN",
+        _put("sample_uniforms", 1, np.nan),
+        RuntimeError,
+        r"sample_uniforms must lie in \[0, 1\)",
+    ),
+    Case(
+        "NaN p at a draft token",
+        lambda i: _put("target_probs", (0, 0, i["draft_tokens"][0, 0]), np.nan)(i),
+        RuntimeError,
+        r"target_probs must be finite and non-negative.*p_i\(x_i\)",
+    ),
+    Case(
+        "inf q at a draft token",
+        lambda i: _put("draft_probs", (1, 1, i["draft_tokens"][1, 1]), np.inf)(i),
+        RuntimeError,
+        r"draft_probs must be finite and non-negative.*q_i\(x_i\)",
+    ),
+    Case(
+        "negative p at a draft token",
+        lambda i: _put("target_probs", (1, 2, i["draft_tokens"][1, 2]), -0.2)(i),
+        RuntimeError,
+        r"target_probs must be finite and non-negative.*p_i\(x_i\)",
+    ),
+    Case(
+        "NaN in the stopping row p_n",
+        _then(
+            _stop_at_zero,
+            lambda i: _put(
+                "target_probs", (0, 0, (i["draft_tokens"][0, 0] + 1) % VOCAB), np.nan
+            )(i),
+        ),
+        RuntimeError,
+        r"target_probs.* must be finite and non-negative.*row p_n",
+    ),
+    Case(
+        "negative value in the stopping row q_n",
+        _then(
+            _stop_at_zero,
+            lambda i: _put(
+                "draft_probs", (1, 0, (i["draft_tokens"][1, 0] + 1) % VOCAB), -0.1
+            )(i),
+        ),
+        RuntimeError,
+        r"draft_probs.* must be finite and non-negative.*q_n",
+    ),
+    Case(
+        "all-zero target row at the stop",
+        _put("target_probs", (1, 0), 0.0),
+        RuntimeError,
+        r"no token can be drawn.*no positive mass",
+    ),
+    # Odd but valid: the right answer.
+    Case(
+        "NaN in a row the step does not read",
+        _then(_stop_at_zero, _put("target_probs", (slice(None), DRAFT), np.nan)),
+    ),
+    Case("empty batch", _empty_batch),
+    Case("no draft positions", _no_drafts),
+    Case("one-token vocabulary", _one_token_vocabulary),
+    Case(
+        "uniforms at 0 and just below 1",
+        _then(
+            _put("accept_uniforms", (0,), 0.0),
+            _put("accept_uniforms", (1,), LARGEST_BELOW_ONE),
+            _set("sample_uniforms", np.array([0.0, LARGEST_BELOW_ONE], np.float32)),
+        ),
+    ),
+    Case(
+        "q = 0 at a draft token",
+        lambda i: _put("draft_probs", (0, 0, i["draft_tokens"][0, 0]), 0.0)(i),
+    ),
+    Case(
+        "unnormalised probabilities",
+        _then(
+            _set("target_probs", np.ones((BATCH, DRAFT + 1, VOCAB), np.float32) * 3),
+            _set("draft_probs", np.ones((BATCH, DRAFT, VOCAB), np.float32) * 0.5),
+        ),
+    ),
+    Case(
+        "float16 probabilities",
+        _then(_cast("draft_probs", np.float16), _cast("target_probs", np.float16)),
+    ),
+    Case(
+        "bfloat16 probabilities",
+        _then(_cast("draft_probs", jnp.bfloat16), _cast("target_probs", jnp.bfloat16)),
+    ),
+    Case("int64 tokens", _cast("draft_tokens", np.int64)),
+]
+
+
+def _inputs(case: Case) -> Inputs:
+    inputs = random_inputs(11, BATCH, DRAFT, VOCAB)
+    case.change(inputs)
+    return inputs
+
+
+@functools.cache
+def _runner(mode: str):
+    import speculax
+
+    step = speculax.SpeculativeStep()
+    if mode == "eager":
+        return step
+    if mode == "jit":
+        return eqx.filter_jit(step)
+
+    def vmapped(**inputs):
+        stacked = {name: jnp.stack([value, value]) for name, value in inputs.items()}
+        out = jax.vmap(step)(**stacked)
+        np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])
+        return jax.tree.map(lambda x: x[0], out)
+
+    return vmapped
+
+
+def _as_float64(inputs: Inputs) -> Inputs:
+    return {
+        name: np.asarray(value, np.float64) if name != "draft_tokens" else value
+        for name, value in inputs.items()
+    }
+
+
+def test_the_table_is_long_enough():
+    assert len(CASES) >= 25
+    assert len({case.name for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_bad_input(case, mode):
+    inputs = _inputs(case)
+    if case.error is None:
+        out = _runner(mode)(**inputs)
+        assert judge(_as_float64(inputs), out) == []
+    else:
+        with pytest.raises(case.error, match=case.match):
+            jax.block_until_ready(_runner(mode)(**inputs))
+
+
+def test_float64_under_x64_is_valid():
+    import speculax
+
+    with jax.enable_x64(True):
+        inputs = _as_float64(random_inputs(11, BATCH, DRAFT, VOCAB))
+        out = eqx.filter_jit(speculax.SpeculativeStep())(**inputs)
+        assert judge(inputs, out) == []
+
+
+def test_full_scan_catches_what_the_cheap_checks_do_not_read():
+    import speculax
+
+    case = next(c for c in CASES if c.name == "NaN in a row the step does not read")
+    inputs = _inputs(case)
+    with pytest.raises(RuntimeError, match="target_probs must be finite"):
+        jax.block_until_ready(speculax.SpeculativeStep(check_all_probs=True)(**inputs))
+
+
+def test_structure_errors_need_no_runtime_type_checker():
+    """The structure checks are the library's own, not jaxtyping's: the public entry
+    points take array-likes, and the same ValueError comes out of plain jit."""
+    import speculax
+
+    case = next(c for c in CASES if c.name == "target_probs without the extra position")
+    with pytest.raises(ValueError, match=case.match):
+        jax.jit(speculax.SpeculativeStep())(**_inputs(case))
+    with pytest.raises(ValueError, match=case.match):
+        speculax.speculative_step(**_inputs(case))
