@@ -1,0 +1,39 @@
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Key, UInt32
+
+
+def uniforms(
+    key: Key[Array, "..."] | UInt32[Array, "... 2"], batch: int, draft: int
+) -> tuple[Float[Array, "batch draft"], Float[Array, " batch"]]:
+    """Draws the uniform noise of one step, `(accept_uniforms, sample_uniforms)`, in
+    `[0, 1)`.
+
+    With one key per row (a key array of shape `(batch,)`) each row's draws depend on
+    its own key alone, so a request's result is reproducible whatever batch it
+    shares. With a single key, the rows' keys are split from it, and a row's draws
+    depend on its position in the batch.
+
+    **Arguments:**
+
+    - `key`: a JAX PRNG key, either one (`jax.random.key(0)`) or one per row
+        (`jax.random.split(key, batch)`); legacy `uint32` keys are accepted too.
+    - `batch`: $B$, the number of rows.
+    - `draft`: $G$, the number of draft positions.
+
+    **Returns:**
+
+    `accept_uniforms` of shape `(batch, draft)` and `sample_uniforms` of shape
+    `(batch,)`, both float32.
+    """
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.shape == ():
+        key = jax.random.split(key, batch)
+    if key.shape != (batch,):
+        raise ValueError(
+            f"key must be a single key or one key per row, shape () or ({batch},); got "
+            f"shape {key.shape}"
+        )
+    draws = jax.vmap(lambda row_key: jax.random.uniform(row_key, (draft + 1,)))(key)
+    return draws[:, :draft], draws[:, draft]
