@@ -32,7 +32,9 @@ def random_inputs(
             weights[..., rng.integers(vocab)] += 0.1
         elif style == "onehot":
             weights = np.zeros(shape)
-            np.put_along_axis(weights, rng.integers(0, vocab, (batch, rows, 1)), 1.0, -1)
+            np.put_along_axis(
+                weights, rng.integers(0, vocab, (batch, rows, 1)), 1.0, -1
+            )
         else:
             weights = np.exp(3 * rng.standard_normal(shape))
         return (weights / weights.sum(-1, keepdims=True)).astype(dtype)

@@ -10,10 +10,12 @@ CDF_TOLERANCE = 1e-6
 
 
 def acceptance_ratios(draft_tokens, draft_probs, target_probs) -> np.ndarray:
-    """$p_i(x_i) / q_i(x_i)$ in float64, with $q = 0$ giving inf (p > 0) or 0 (p = 0)."""
+    """$p_i(x_i) / q_i(x_i)$ in float64; $q = 0$ gives inf (p > 0) or 0 (p = 0)."""
     tokens = np.asarray(draft_tokens)[..., None]
     num_draft = tokens.shape[1]
-    p = np.take_along_axis(np.asarray(target_probs, np.float64)[:, :num_draft], tokens, -1)
+    p = np.take_along_axis(
+        np.asarray(target_probs, np.float64)[:, :num_draft], tokens, -1
+    )
     q = np.take_along_axis(np.asarray(draft_probs, np.float64), tokens, -1)
     p, q = p[..., 0], q[..., 0]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -68,7 +70,9 @@ def judge(inputs: dict, output: dict) -> list[str]:
     """
     draft_tokens = np.asarray(inputs["draft_tokens"])
     batch, num_draft = draft_tokens.shape
-    ratios = acceptance_ratios(draft_tokens, inputs["draft_probs"], inputs["target_probs"])
+    ratios = acceptance_ratios(
+        draft_tokens, inputs["draft_probs"], inputs["target_probs"]
+    )
     u = np.asarray(inputs["accept_uniforms"], np.float64)
     with np.errstate(invalid="ignore"):
         near_tie = np.abs(u - ratios) <= TIE_TOLERANCE * ratios
@@ -77,7 +81,9 @@ def judge(inputs: dict, output: dict) -> list[str]:
     tokens = np.asarray(output["tokens"])
     problems = []
     if num_accepted.shape != (batch,) or tokens.shape != (batch, num_draft + 1):
-        return [f"shapes {num_accepted.shape}, {tokens.shape} for B={batch} G={num_draft}"]
+        return [
+            f"shapes {num_accepted.shape}, {tokens.shape} for B={batch} G={num_draft}"
+        ]
     if num_accepted.dtype != np.int32 or tokens.dtype != np.int32:
         problems.append(f"dtypes {num_accepted.dtype}, {tokens.dtype} are not int32")
     for row in range(batch):
@@ -88,7 +94,9 @@ def judge(inputs: dict, output: dict) -> list[str]:
         before_ok = all(passes[row, i] or near_tie[row, i] for i in range(n))
         stop_ok = n == num_draft or not passes[row, n] or near_tie[row, n]
         if not (before_ok and stop_ok):
-            problems.append(f"row {row}: num_accepted {n} contradicts the float64 tests")
+            problems.append(
+                f"row {row}: num_accepted {n} contradicts the float64 tests"
+            )
         expected_prefix = draft_tokens[row, :n].tolist()
         if tokens[row, :n].tolist() != expected_prefix:
             problems.append(f"row {row}: tokens do not start with the accepted drafts")

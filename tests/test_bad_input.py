@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from inputs import random_inputs
 from oracle import judge
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from test_examples import WORKED_EXAMPLES
 
 
@@ -55,7 +56,10 @@ def _with(**changes):
         (_with(draft_probs=[[[0.2, 0.8]]]), "draft_probs must have shape (B, G, V)"),
         (_with(draft_tokens=[[3.0, 2.0]]), "draft_tokens must have an integer dtype"),
         (_with(draft_tokens=[[3, "a"]]), "draft_tokens is not a rectangular array"),
-        (_with(target_probs=[[[0.1], [0.2, 0.3]]]), "target_probs is not a rectangular"),
+        (
+            _with(target_probs=[[[0.1], [0.2, 0.3]]]),
+            "target_probs is not a rectangular",
+        ),
         (_with(draft_tokens=[[3, 7]]), "draft_tokens must lie in [0, V) = [0, 4)"),
         (_with(sample_uniforms=[1.0]), "sample_uniforms must lie in [0, 1)"),
     ],

@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+
 from inputs import STYLES, UNIFORMS, random_inputs
 from oracle import judge
 
@@ -73,6 +74,7 @@ def test_half_precision_inputs_are_judged_on_their_own_values(dtype, style):
     """Half-precision inputs are computed in float32; the judge reads the half values
     exactly as given, upcast to float64."""
     import jax.numpy as jnp
+
     import speculax
 
     inputs = random_inputs(7, 4, 3, 300, style=style)
@@ -93,6 +95,7 @@ def test_half_precision_inputs_are_judged_on_their_own_values(dtype, style):
 @pytest.mark.parametrize("style", ["peaked", "flat", "equal"])
 def test_float64_under_x64_is_judged_and_computed_in_float64(style):
     import jax.numpy as jnp
+
     import speculax
 
     with jax.enable_x64(True):

@@ -4,9 +4,16 @@ import importlib.metadata
 
 from ._acceptance import (
     AbstractAcceptance as AbstractAcceptance,
+    GreedyAcceptance as GreedyAcceptance,
     RatioAcceptance as RatioAcceptance,
+    TypicalAcceptance as TypicalAcceptance,
 )
-from ._prefix import AbstractPrefixCount as AbstractPrefixCount, PrefixCount as PrefixCount
+from ._logits import probs_from_logits as probs_from_logits
+from ._prefix import (
+    AbstractPrefixCount as AbstractPrefixCount,
+    PrefixCount as PrefixCount,
+)
+from ._random import uniforms as uniforms
 from ._residual import AbstractResidual as AbstractResidual, Residual as Residual
 from ._sampling import AbstractSampler as AbstractSampler, InverseCDF as InverseCDF
 from ._step import (

@@ -1,6 +1,7 @@
 import abc
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -87,3 +88,92 @@ def draft_token_probs(
     target = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)
     draft = jnp.take_along_axis(draft_probs, index, axis=-1)
     return upcast(target[..., 0]), upcast(draft[..., 0])
+
+
+class GreedyAcceptance(AbstractAcceptance):
+    """Greedy verification: draft token $x_i$ passes when it is the target's most
+    likely token at its position, $x_i = \\arg\\max_v p_i(v)$, ties going to the
+    smallest token id. Deterministic: the draft probabilities and the uniforms are not
+    read.
+
+    Pair it with [`speculax.TargetResidual`][] and [`speculax.Argmax`][], so that the
+    correction or bonus token is $\\arg\\max_v p_n(v)$.
+    """
+
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+    ) -> Bool[Array, "batch draft"]:
+        """**Arguments:**
+
+        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
+        - `draft_probs`: not read.
+        - `target_probs`: $p_i$, the target distribution at each position.
+        - `accept_uniforms`: not read.
+
+        **Returns:**
+
+        A boolean array of shape `(batch, draft)`: whether $x_i$ is the argmax of $p_i$.
+        """
+        num_draft = draft_tokens.shape[1]
+        return jnp.argmax(target_probs[:, :num_draft], axis=-1) == draft_tokens
+
+
+class TypicalAcceptance(AbstractAcceptance):
+    """Typical acceptance (Medusa, Cai et al. 2024): draft token $x_i$ passes when
+    $p_i(x_i) > \\min(\\epsilon, \\alpha \\exp(-H(p_i)))$, with $H$ the entropy of
+    the target distribution at that position.
+
+    !!! warning
+
+        **Not lossless, by design**: it accepts plausible tokens that exact rejection
+        sampling would reject, trading fidelity to the target distribution for longer
+        accepted runs. [`speculax.testing.lossless_error`][] reports it so.
+
+    Deterministic: the uniforms and the draft probabilities are not read.
+
+    **Arguments:**
+
+    - `epsilon`: the hard threshold $\\epsilon$ (Medusa's `posterior_threshold`),
+        in `(0, 1]`.
+    - `alpha`: the entropy-scaled threshold $\\alpha$ (Medusa's `posterior_alpha`),
+        non-negative.
+    """
+
+    epsilon: float = eqx.field(static=True, default=0.09)
+    alpha: float = eqx.field(static=True, default=0.3)
+
+    def __check_init__(self):
+        if not 0 < self.epsilon <= 1:
+            raise ValueError(f"epsilon must lie in (0, 1]; got {self.epsilon}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be non-negative; got {self.alpha}")
+
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+    ) -> Bool[Array, "batch draft"]:
+        """**Arguments:**
+
+        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
+        - `draft_probs`: not read.
+        - `target_probs`: $p_i$, the target distribution at each position.
+        - `accept_uniforms`: not read.
+
+        **Returns:**
+
+        A boolean array of shape `(batch, draft)`: whether
+        $p_i(x_i) > \\min(\\epsilon, \\alpha e^{-H(p_i)})$.
+        """
+        num_draft = draft_tokens.shape[1]
+        target = upcast(target_probs[:, :num_draft])
+        entropy = jnp.sum(jax.scipy.special.entr(target), axis=-1)
+        threshold = jnp.minimum(self.epsilon, self.alpha * jnp.exp(-entropy))
+        at_draft = jnp.take_along_axis(target, draft_tokens[..., None], axis=-1)
+        return at_draft[..., 0] > threshold

@@ -4,8 +4,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._acceptance import draft_token_probs
-from ._residual import stopping_rows
+from ._numerics import upcast
+from ._residual import alias_num_accepted, stopping_row_summary
 
 
 def check_structure(
@@ -70,7 +70,9 @@ def check_cheap_values(
     target_probs: Float[Array, "batch draft+1 vocab"],
     accept_uniforms: Float[Array, "batch draft"],
     sample_uniforms: Float[Array, " batch"],
-) -> tuple[Int[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]]:
+) -> tuple[
+    Int[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]
+]:
     """Checks the tokens, the uniforms and the draft tokens' probabilities, which the
     step reads anyway.
 
@@ -95,7 +97,7 @@ def check_cheap_values(
         _outside_unit_interval(sample_uniforms),
         "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
     )
-    target_at_draft, draft_at_draft = draft_token_probs(
+    target_at_draft, draft_at_draft = _draft_token_probs(
         draft_tokens, draft_probs, target_probs
     )
     draft_tokens = eqx.error_if(
@@ -120,26 +122,29 @@ def check_stopping_rows(
 ) -> Int[Array, " batch"]:
     """Checks the rows $p_n$ and $q_n$ that the residual reads.
 
+    Uses the one-pass row summary of the default residual, memoised at trace time, so
+    that the check and the default residual and sampler read the two rows once between
+    them: nearly free.
+
     **Returns:**
 
     `num_accepted`, tied to the checks.
     """
-    target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
-    num_accepted = eqx.error_if(
+    summary = stopping_row_summary(num_accepted, draft_probs, target_probs)
+    checked = eqx.error_if(
         num_accepted,
-        _not_a_probability(target_row),
+        summary.invalid_target_rows(),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "value in the row p_n at the stopping position n = num_accepted",
     )
-    if draft_row is not None:
-        drafting = (num_accepted < draft_probs.shape[1])[:, None]
-        num_accepted = eqx.error_if(
-            num_accepted,
-            drafting & _not_a_probability(draft_row),
-            "draft_probs must be finite and non-negative; got a negative, NaN or "
-            "infinite value in the row q_n at the stopping position n = num_accepted",
-        )
-    return num_accepted
+    checked = eqx.error_if(
+        checked,
+        summary.invalid_draft_rows(),
+        "draft_probs must be finite and non-negative; got a negative, NaN or "
+        "infinite value in the row q_n at the stopping position n = num_accepted",
+    )
+    alias_num_accepted(checked, num_accepted)
+    return checked
 
 
 def check_all_probs(
@@ -164,18 +169,36 @@ def check_all_probs(
     return draft_probs, target_probs
 
 
-def check_sampled(
-    token: Int[Array, " batch"], vocab: int
-) -> Int[Array, " batch"]:
+def check_sampled(token: Int[Array, " batch"], vocab: int) -> Int[Array, " batch"]:
     """Checks that the sampler found a token, which fails only when the weights at the
     stopping position have no positive mass.
     """
     return eqx.error_if(
         token,
         (token < 0) | (token >= vocab),
-        "no token can be drawn: the residual at the stopping position n has no positive "
-        "mass, even after falling back to target_probs[b, n], which has no positive "
-        "entry",
+        "no token can be drawn: the residual at the stopping position n has no "
+        "positive mass, even after falling back to target_probs[b, n], which has no "
+        "positive entry",
+    )
+
+
+def _draft_token_probs(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> tuple[Float[Array, "batch draft"], Float[Array, "batch draft"]]:
+    """$p_i(x_i)$ and $q_i(x_i)$, upcast, by point gathers straight from the inputs.
+
+    Not `target_probs[:, :G]` first: the acceptance piece gathers from that slice with
+    the checked tokens, and a slice with two users is materialised by XLA CPU for
+    half-precision inputs, a copy of nearly the whole array.
+    """
+    batch, num_draft = draft_tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    positions = jnp.arange(num_draft)[None, :]
+    return (
+        upcast(target_probs[rows, positions, draft_tokens]),
+        upcast(draft_probs[rows, positions, draft_tokens]),
     )
 
 

@@ -1,4 +1,5 @@
-"""The `speculax` command line: `demo` runs the worked examples, `run` one JSON input."""
+"""The `speculax` command line: `demo` runs the worked examples, `run` one JSON input,
+`bench` times the step."""
 
 import argparse
 import json
@@ -39,9 +40,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument(
         "file", nargs="?", help="JSON file to read (default: standard input)"
     )
+    bench_parser = commands.add_parser(
+        "bench",
+        help="time the default step against the obvious implementation and the floor",
+    )
+    bench_parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="BxGxV[:dtype]",
+        help="sizes to run, e.g. 64x5x128256 or 64x5x128256:bfloat16 (default: a "
+        "table from 1x4x32000 to 8x4x262144)",
+    )
+    bench_parser.add_argument(
+        "--repeats", type=int, default=7, help="timed runs per function (median)"
+    )
+    bench_parser.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo()
+    if args.command == "bench":
+        from ._bench import Size, main as bench_main
+
+        try:
+            for text in args.sizes or ():
+                Size.parse(text)
+        except ValueError as error:
+            print(f"speculax bench: error: {error}", file=sys.stderr)
+            return 2
+        return bench_main(args.sizes, max(args.repeats, 1), args.json)
     try:
         print(_run(args.file))
     except InputError as error:

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._numerics import upcast
+from ._residual import RowSummary, block_excess_rows, residual_recipe
 
 
 class AbstractSampler(eqx.Module):
@@ -51,6 +52,16 @@ class InverseCDF(AbstractSampler):
     (a token of zero probability is never emitted), and when rounding leaves no $v$
     whose cumulative weight exceeds the threshold, $y$ is the largest $v$ with
     $w(v) > 0$. A row with no positive weight at all gives $-1$.
+
+    Given the unmodified output of the default [`speculax.Residual`][], it takes a fast
+    path with the same computation: the block sums come from one pass over the rows
+    $p_n$ and $q_n$ (shared with the value checks) and the weights are never
+    materialised. Any other weights take the generic path.
+
+    **Arguments:**
+
+    - `block_size`: the number of vocabulary entries summed sequentially in one
+        block, a positive static integer. Default 256.
     """
 
     block_size: int = eqx.field(static=True, default=256)
@@ -74,6 +85,21 @@ class InverseCDF(AbstractSampler):
         An int32 array of shape `(batch,)`: the token $y$ per row, or `-1` for a row
         with no positive weight.
         """
+        recipe = residual_recipe(weights)
+        if recipe is not None:
+            summary, num_accepted, draft_probs, target_probs = recipe
+            if summary.block_size == min(self.block_size, weights.shape[-1]):
+                return _sample_stopping_rows(
+                    summary, num_accepted, draft_probs, target_probs, sample_uniforms
+                )
+        return self._sample_weights(weights, sample_uniforms)
+
+    def _sample_weights(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        # The generic path, for any weights.
         weights = upcast(weights)
         batch, vocab = weights.shape
         block_size = min(self.block_size, vocab)
@@ -83,21 +109,77 @@ class InverseCDF(AbstractSampler):
             batch, num_blocks, block_size
         )
         block_mass = jnp.sum(blocks, axis=-1)
-        through_block = jax.lax.associative_scan(jnp.add, block_mass, axis=-1)
-        total = through_block[:, -1]
-        threshold = (sample_uniforms.astype(weights.dtype) * total)[:, None]
-
-        block_index = _first_crossing(through_block > threshold, block_mass > 0)
-        chosen = jnp.take_along_axis(blocks, block_index[:, None, None], axis=1)[:, 0]
-        before_block = jnp.take_along_axis(
-            through_block, jnp.maximum(block_index - 1, 0)[:, None], axis=1
+        block_index, before_block, threshold, total = _find_block(
+            block_mass, sample_uniforms
         )
-        before_block = jnp.where(block_index[:, None] > 0, before_block, 0)
-        through_token = before_block + jnp.cumsum(chosen, axis=-1)
-        token_in_block = _first_crossing(through_token > threshold, chosen > 0)
+        chosen = jnp.take_along_axis(blocks, block_index[:, None, None], axis=1)[:, 0]
+        return _find_token(
+            chosen, block_index, block_size, before_block, threshold, total
+        )
 
-        token = block_index * block_size + token_in_block
-        return jnp.where(total > 0, token, -1).astype(jnp.int32)
+
+def _sample_stopping_rows(
+    summary: RowSummary,
+    num_accepted: Int[Array, " batch"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    sample_uniforms: Float[Array, " batch"],
+) -> Int[Array, " batch"]:
+    """The fast path for the weights of the default [`speculax.Residual`][]: the block
+    sums come from the one-pass row summary, and only the chosen block of $p_n$ and
+    $q_n$ is read again. The same computation as the generic path, up to the order
+    of the additions inside a block.
+    """
+    has_mass = jnp.any(summary.excess_block_mass > 0, axis=-1)
+    fallback = summary.fallback_block_mass(~jnp.all(has_mass))
+    block_mass = jnp.where(has_mass[:, None], summary.excess_block_mass, fallback)
+    block_index, before_block, threshold, total = _find_block(
+        block_mass, sample_uniforms
+    )
+    excess, target = block_excess_rows(
+        num_accepted, draft_probs, target_probs, block_index, summary.block_size
+    )
+    chosen = jnp.where(has_mass[:, None], excess, target)
+    return _find_token(
+        chosen, block_index, summary.block_size, before_block, threshold, total
+    )
+
+
+def _find_block(
+    block_mass: Float[Array, "batch blocks"], sample_uniforms: Float[Array, " batch"]
+) -> tuple[
+    Int[Array, " batch"],
+    Float[Array, "batch 1"],
+    Float[Array, "batch 1"],
+    Float[Array, " batch"],
+]:
+    """The block where the cumulative weight first exceeds $s \\sum w$, with the
+    cumulative weight before it, the threshold and the total.
+    """
+    through_block = jax.lax.associative_scan(jnp.add, block_mass, axis=-1)
+    total = through_block[:, -1]
+    threshold = (sample_uniforms.astype(block_mass.dtype) * total)[:, None]
+    block_index = _first_crossing(through_block > threshold, block_mass > 0)
+    before_block = jnp.take_along_axis(
+        through_block, jnp.maximum(block_index - 1, 0)[:, None], axis=1
+    )
+    before_block = jnp.where(block_index[:, None] > 0, before_block, 0)
+    return block_index, before_block, threshold, total
+
+
+def _find_token(
+    chosen: Float[Array, "batch block"],
+    block_index: Int[Array, " batch"],
+    block_size: int,
+    before_block: Float[Array, "batch 1"],
+    threshold: Float[Array, "batch 1"],
+    total: Float[Array, " batch"],
+) -> Int[Array, " batch"]:
+    """The token inside the chosen block, by a short cumulative sum."""
+    through_token = before_block + jnp.cumsum(chosen, axis=-1)
+    token_in_block = _first_crossing(through_token > threshold, chosen > 0)
+    token = block_index * block_size + token_in_block
+    return jnp.where(total > 0, token, -1).astype(jnp.int32)
 
 
 def _first_crossing(
@@ -109,6 +191,4 @@ def _first_crossing(
     hit = crossed & positive
     first_hit = jnp.argmax(hit, axis=-1)
     last_positive = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
-    return jnp.where(jnp.any(hit, axis=-1), first_hit, last_positive).astype(
-        jnp.int32
-    )
+    return jnp.where(jnp.any(hit, axis=-1), first_hit, last_positive).astype(jnp.int32)

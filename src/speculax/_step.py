@@ -23,6 +23,7 @@ from ._sampling import AbstractSampler, InverseCDF
 # structure themselves: jaxtyping shapes are on the pieces, which see arrays only.
 InputArray: TypeAlias = ArrayLike | Sequence[Any]
 
+
 class StepOutput(TypedDict):
     """What one verification step returns: a plain `dict` with exactly these keys.
 
@@ -48,6 +49,23 @@ class SpeculativeStep(eqx.Module):
 
     Each piece is a field and can be swapped, through the constructor or with
     `eqx.tree_at(lambda s: s.acceptance, step, MyAcceptance())`.
+
+    **Arguments:**
+
+    The constructor takes the four pieces, each optional, and two keyword-only flags:
+
+    - `acceptance`: a [`speculax.AbstractAcceptance`][]; default
+        [`speculax.RatioAcceptance`][].
+    - `prefix`: a [`speculax.AbstractPrefixCount`][]; default
+        [`speculax.PrefixCount`][].
+    - `residual`: a [`speculax.AbstractResidual`][]; default [`speculax.Residual`][].
+    - `sampler`: a [`speculax.AbstractSampler`][]; default
+        [`speculax.InverseCDF`][].
+    - `check_values`: whether to run the cheap value checks (draft tokens, uniforms,
+        and the probabilities the step reads anyway) as Equinox runtime errors.
+        Default `True`.
+    - `check_all_probs`: whether to also scan every probability for negative or
+        non-finite values, a full pass over both arrays. Default `False`.
 
     **Example:**
 
@@ -95,7 +113,8 @@ class SpeculativeStep(eqx.Module):
         **Arguments:**
 
         - `draft_tokens`: integer `(B, G)`, $x_i$, each in `[0, V)`.
-        - `draft_probs`: float `(B, G, V)`, $q_i$, the distribution $x_i$ was drawn from.
+        - `draft_probs`: float `(B, G, V)`, $q_i$, the distribution $x_i$ was drawn
+            from.
         - `target_probs`: float `(B, G + 1, V)`, $p_i$; $p_G$ follows the last draft.
         - `accept_uniforms`: float `(B, G)` in `[0, 1)`, $u_i$.
         - `sample_uniforms`: float `(B,)` in `[0, 1)`, $s$.
@@ -127,10 +146,16 @@ class SpeculativeStep(eqx.Module):
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
         if self.check_values:
             draft_tokens, accept_uniforms, sample_uniforms = check_cheap_values(
-                draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                accept_uniforms,
+                sample_uniforms,
             )
 
-        passed = self.acceptance(draft_tokens, draft_probs, target_probs, accept_uniforms)
+        passed = self.acceptance(
+            draft_tokens, draft_probs, target_probs, accept_uniforms
+        )
         num_accepted = self.prefix(passed)
         if self.check_values:
             num_accepted = check_stopping_rows(num_accepted, draft_probs, target_probs)
@@ -212,7 +237,11 @@ def speculative_step(
         draft_tokens=[[3, 2]],
         draft_probs=[[[0.2, 0.59, 0.04, 0.17], [0.12, 0.43, 0.42, 0.03]]],
         target_probs=[
-            [[0.04, 0.44, 0.24, 0.28], [0.27, 0.36, 0.23, 0.14], [0.19, 0.34, 0.07, 0.4]]
+            [
+                [0.04, 0.44, 0.24, 0.28],
+                [0.27, 0.36, 0.23, 0.14],
+                [0.19, 0.34, 0.07, 0.4],
+            ]
         ],
         accept_uniforms=[[0.27, 0.79]],
         sample_uniforms=[0.92],

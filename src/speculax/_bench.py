@@ -1,0 +1,281 @@
+"""`speculax bench`: the default step against the obvious implementation and the floor.
+
+Three jitted functions run side by side in one process on the same inputs:
+
+- **baseline**: the obvious implementation, written for the benchmark: the residual for
+    all $G + 1$ positions, normalised, `jnp.cumsum` along the vocabulary, then the
+    row $n$ selected.
+- **speculax**: `jax.jit(speculax.SpeculativeStep())`, value checks on.
+- **floor**: a function that only reads what the step must read, two `V`-long rows per
+    batch element: the sums of `p[:, 0]` and `q[:, 0]` taken from contiguous `(B, V)`
+    arrays. No implementation of the step can beat it by much.
+"""
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._step import SpeculativeStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One benchmark configuration."""
+
+    batch: int
+    num_draft: int
+    vocab: int
+    dtype: str = "float32"
+
+    @classmethod
+    def parse(cls, text: str) -> "Size":
+        """Parses `BxGxV` or `BxGxV:dtype`, e.g. `64x5x128256:bfloat16`."""
+        shape, _, dtype = text.partition(":")
+        try:
+            batch, num_draft, vocab = (int(part) for part in shape.split("x"))
+        except ValueError:
+            raise ValueError(
+                f"a size must look like BxGxV or BxGxV:dtype; got {text!r}"
+            ) from None
+        dtype = dtype or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be float32, bfloat16 or float16; got {dtype!r}"
+            )
+        if batch < 1 or num_draft < 1 or vocab < 1:
+            raise ValueError(f"B, G and V must be positive; got {text!r}")
+        return cls(batch, num_draft, vocab, dtype)
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.num_draft}x{self.vocab}:{self.dtype}"
+
+
+DEFAULT_SIZES = (
+    Size(1, 4, 32000),
+    Size(8, 8, 50257),
+    Size(64, 5, 128256),
+    Size(64, 5, 128256, "bfloat16"),
+    Size(8, 4, 262144),
+)
+
+
+def make_inputs(size: Size, seed: int = 0) -> tuple[Array, ...]:
+    """Random realistic inputs: peaked target distributions (softmax of logits with
+    standard deviation 2), draft distributions a perturbed copy of them, draft tokens
+    sampled from the drafts, and uniform noise.
+
+    **Returns:**
+
+    `(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)`,
+    the probabilities in `size.dtype`.
+    """
+    batch, num_draft, vocab = size.batch, size.num_draft, size.vocab
+    dtype = jnp.dtype(size.dtype)
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, 5)
+        target_logits = 2.0 * jax.random.normal(keys[0], (batch, num_draft + 1, vocab))
+        draft_logits = target_logits[:, :num_draft] + 0.5 * jax.random.normal(
+            keys[1], (batch, num_draft, vocab)
+        )
+        draft_tokens = jax.random.categorical(keys[2], draft_logits, axis=-1)
+        return (
+            draft_tokens.astype(jnp.int32),
+            jax.nn.softmax(draft_logits, axis=-1).astype(dtype),
+            jax.nn.softmax(target_logits, axis=-1).astype(dtype),
+            jax.random.uniform(keys[3], (batch, num_draft)),
+            jax.random.uniform(keys[4], (batch,)),
+        )
+
+    return jax.block_until_ready(make(jax.random.key(seed)))
+
+
+def baseline_step(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+) -> dict[str, Array]:
+    """The obvious implementation: the residual at every position, normalised, a
+    `jnp.cumsum` over the whole vocabulary, then row $n$ selected. Same outputs as
+    the step for valid inputs, up to float32 rounding of its sequential cumulative sum.
+    """
+    draft_probs = draft_probs.astype(jnp.float32)
+    target_probs = target_probs.astype(jnp.float32)
+    batch, num_draft, _ = draft_probs.shape
+    index = draft_tokens[..., None]
+    p_x = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]
+    passed = accept_uniforms * q_x < p_x
+    num_accepted = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=-1), axis=-1)
+
+    residual = jnp.maximum(target_probs[:, :num_draft] - draft_probs, 0)
+    residual = jnp.concatenate([residual, target_probs[:, num_draft:]], axis=1)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual, target_probs)
+    cdf = jnp.cumsum(residual / jnp.sum(residual, axis=-1, keepdims=True), axis=-1)
+    rows = jnp.arange(batch)
+    cdf_n = cdf[rows, num_accepted]
+    positive = residual[rows, num_accepted] > 0
+    hit = (cdf_n > sample_uniforms[:, None]) & positive
+    last_positive = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    drawn = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last_positive)
+
+    position = jnp.arange(num_draft + 1)[None, :]
+    stop = num_accepted[:, None]
+    padded = jnp.concatenate(
+        [draft_tokens.astype(jnp.int32), jnp.full((batch, 1), -1, jnp.int32)], axis=1
+    )
+    tokens = jnp.where(
+        position < stop, padded, jnp.where(position == stop, drawn[:, None], -1)
+    )
+    return {"num_accepted": num_accepted.astype(jnp.int32), "tokens": tokens}
+
+
+def floor(
+    target_row: Float[Array, "batch vocab"], draft_row: Float[Array, "batch vocab"]
+) -> Float[Array, " batch"]:
+    """Reads two `V`-long rows per batch element and nothing else: the least any
+    implementation of the step must read.
+    """
+    return jnp.sum(target_row.astype(jnp.float32), axis=-1) + jnp.sum(
+        draft_row.astype(jnp.float32), axis=-1
+    )
+
+
+def _timed_compile(function: Callable, *args: Any) -> tuple[Any, float, int]:
+    start = time.perf_counter()
+    compiled = jax.jit(function).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    temp = int(memory.temp_size_in_bytes) if memory is not None else -1
+    return compiled, seconds, temp
+
+
+def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
+    """Times the baseline, the default step and the floor on one size, in one process
+    on the same inputs, and reports medians.
+
+    **Returns:**
+
+    A dict with the size, `baseline_ms`, `speculax_ms`, `floor_ms`, `speedup`
+    (baseline over speculax), `over_floor` (speculax over floor), `temp_bytes` and
+    `compile_s` of the default step, and `temp_limit_bytes` ($2 B V \\cdot 4$ bytes plus
+    1 MiB).
+    """
+    inputs = make_inputs(size, seed)
+    rows = (inputs[2][:, 0], inputs[1][:, 0])
+    rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))
+
+    step, compile_s, temp_bytes = _timed_compile(SpeculativeStep(), *inputs)
+    baseline, _, _ = _timed_compile(baseline_step, *inputs)
+    floor_fn, _, _ = _timed_compile(floor, *rows)
+    candidates = {
+        "baseline": (baseline, inputs),
+        "speculax": (step, inputs),
+        "floor": (floor_fn, rows),
+    }
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    # Each function is timed in its own run of consecutive calls, after two untimed
+    # ones: right after the baseline, which streams through gigabytes of temporaries,
+    # the next function runs up to 3 times slower for a while (caches, TLB, page
+    # faults, idle worker threads), whichever function it is. Two rounds, in
+    # opposite orders, spread what remains of that effect evenly.
+    rounds = (list(candidates), list(candidates)[::-1])
+    for round_number, order in enumerate(rounds):
+        count = (repeats + 1 - round_number) // 2 or 1
+        for name in order:
+            function, args = candidates[name]
+            for _ in range(2):
+                jax.block_until_ready(function(*args))
+            for _ in range(count):
+                start = time.perf_counter()
+                jax.block_until_ready(function(*args))
+                times[name].append(1e3 * (time.perf_counter() - start))
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "size": str(size),
+        "batch": size.batch,
+        "num_draft": size.num_draft,
+        "vocab": size.vocab,
+        "dtype": size.dtype,
+        "baseline_ms": ms["baseline"],
+        "speculax_ms": ms["speculax"],
+        "floor_ms": ms["floor"],
+        "speedup": ms["baseline"] / ms["speculax"],
+        "over_floor": ms["speculax"] / ms["floor"],
+        "temp_bytes": temp_bytes,
+        "temp_limit_bytes": 2 * size.batch * size.vocab * 4 + 2**20,
+        "compile_s": compile_s,
+    }
+
+
+def run_bench(
+    sizes: Sequence[Size] = DEFAULT_SIZES, repeats: int = 7, seed: int = 0
+) -> list[dict[str, Any]]:
+    """`bench_size` for every size, in order."""
+    return [bench_size(size, repeats, seed) for size in sizes]
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of the results of `run_bench`."""
+    header = (
+        "| B | G | V | dtype | baseline ms | speculax ms | floor ms | "
+        "baseline / speculax | speculax / floor | temp bytes | compile s |\n"
+        "|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = [
+        f"| {r['batch']} | {r['num_draft']} | {r['vocab']} | {r['dtype']} "
+        f"| {r['baseline_ms']:.2f} | {r['speculax_ms']:.2f} | {r['floor_ms']:.2f} "
+        f"| {r['speedup']:.1f}x | {r['over_floor']:.2f}x | {r['temp_bytes']:,} "
+        f"| {r['compile_s']:.2f} |"
+        for r in results
+    ]
+    return header + "\n".join(lines)
+
+
+def main(sizes: Sequence[str] | None, repeats: int, as_json: bool) -> int:
+    """The body of `speculax bench`; returns the exit status."""
+    parsed = [Size.parse(text) for text in sizes] if sizes else list(DEFAULT_SIZES)
+    results = run_bench(parsed, repeats)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "backend": jax.default_backend(),
+                    "devices": [str(device) for device in jax.devices()],
+                    "jax_version": jax.__version__,
+                    "repeats": repeats,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(
+            f"speculax bench: backend {jax.default_backend()}, jax {jax.__version__}, "
+            f"median of {repeats} runs per function\n"
+        )
+        print(format_table(results))
+    return 0
+
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "Size",
+    "baseline_step",
+    "bench_size",
+    "floor",
+    "format_table",
+    "make_inputs",
+    "run_bench",
+]

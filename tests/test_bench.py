@@ -1,0 +1,99 @@
+"""`speculax bench`: it runs, and its three functions agree where they should. No
+timing assertions.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import speculax
+from speculax._bench import Size, baseline_step, floor, format_table, make_inputs
+
+
+def test_bench_command_runs_on_tiny_sizes(capsys):
+    from speculax._cli import main
+
+    status = main(
+        ["bench", "--sizes", "2x3x300", "3x2x257:bfloat16", "--repeats", "1", "--json"]
+    )
+    assert status == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == jax.default_backend()
+    rows = report["results"]
+    assert [row["size"] for row in rows] == ["2x3x300:float32", "3x2x257:bfloat16"]
+    for row in rows:
+        for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s"):
+            assert row[key] > 0
+        assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["speculax_ms"])
+        assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
+        assert 0 <= row["temp_bytes"] <= row["temp_limit_bytes"]
+    table = format_table(rows)
+    assert table.count("\n") == 3 and "| 2 | 3 | 300 | float32 |" in table
+
+
+def test_bench_table_without_json(capsys):
+    from speculax._cli import main
+
+    assert main(["bench", "--sizes", "1x1x64", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline / speculax" in out and "| 1 | 1 | 64 | float32 |" in out
+
+
+@pytest.mark.parametrize("bad", ["64x5", "ax5x3", "1x1x8:int8", "0x1x8"])
+def test_bench_rejects_a_bad_size(bad, capsys):
+    from speculax._cli import main
+
+    assert main(["bench", "--sizes", bad]) == 2
+    assert "speculax bench: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "size", [Size(8, 4, 1000), Size(5, 3, 3000, "bfloat16"), Size(4, 1, 513)]
+)
+def test_baseline_and_step_agree(size):
+    inputs = make_inputs(size, seed=3)
+    expected = jax.jit(baseline_step)(*inputs)
+    got = jax.jit(speculax.SpeculativeStep())(*inputs)
+    np.testing.assert_array_equal(got["num_accepted"], expected["num_accepted"])
+    np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+
+
+def test_floor_reads_the_two_rows():
+    inputs = make_inputs(Size(3, 2, 100), seed=4)
+    target_row, draft_row = inputs[2][:, 0], inputs[1][:, 0]
+    np.testing.assert_allclose(
+        jax.jit(floor)(target_row, draft_row),
+        jnp.sum(target_row, -1) + jnp.sum(draft_row, -1),
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
+@pytest.mark.parametrize("check_values", [True, False])
+def test_default_step_materialises_no_batch_by_vocab_array(check_values):
+    # The fast path of the default Residual + InverseCDF pair: the weights are never
+    # materialised, so the temporaries are far below one (B, V) float32 array.
+    size = Size(16, 3, 40000)
+    inputs = make_inputs(size)
+    step = speculax.SpeculativeStep(check_values=check_values)
+    compiled = jax.jit(step).lower(*inputs).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < size.batch * size.vocab * 4 / 4
+
+
+def test_custom_sampler_gets_the_residual_weights():
+    # The cooperation of the default pair must not change what a custom sampler sees.
+    class Recording(speculax.InverseCDF):
+        def __call__(self, weights, sample_uniforms):
+            seen.append(weights)
+            return super()._sample_weights(weights, sample_uniforms)
+
+    seen = []
+    inputs = make_inputs(Size(3, 2, 700), seed=5)
+    out = jax.jit(speculax.SpeculativeStep(sampler=Recording()))(*inputs)
+    expected = jax.jit(speculax.SpeculativeStep())(*inputs)
+    np.testing.assert_array_equal(out["tokens"], expected["tokens"])
+    assert seen[0].shape == (3, 700)

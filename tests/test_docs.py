@@ -1,0 +1,174 @@
+"""The documentation cannot rot: every ```python block in it runs.
+
+Each Markdown page under docs/ (and README.md) has its ```python blocks run in order,
+in one namespace per page, so a page reads like a notebook. Blocks fenced with another
+language (```bash, ```text, ```json, ```console) are shown, never run. The ```python
+blocks in the docstrings of the public API, which the API reference renders, run too.
+"""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+
+# An opening fence of the language `python`, possibly indented (inside an admonition
+# or a list), up to the closing fence of the same indentation and at least as long.
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```python blocks of a Markdown text, as `(first code line, code)` with the
+    line number 1-based and the code dedented.
+    """
+    blocks = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        indent, fence, lang = match["indent"], match["fence"], match["lang"]
+        start = i + 1
+        end = start
+        while end < len(lines):
+            closing = lines[end].strip()
+            if closing.startswith(fence[0] * len(fence)) and not closing.strip(
+                fence[0]
+            ):
+                break
+            end += 1
+        if lang == "python":
+            body = [line[len(indent) :] for line in lines[start:end]]
+            blocks.append((start + 1, "\n".join(body) + "\n"))
+        i = end + 1
+    return blocks
+
+
+def run_blocks(blocks: list[tuple[int, str]], filename: str) -> None:
+    namespace: dict = {"__name__": "__docs__"}
+    for first_line, code in blocks:
+        # Pad so that a traceback points at the right line of the Markdown file.
+        compiled = compile("\n" * (first_line - 1) + code, filename, "exec")
+        exec(compiled, namespace)
+
+
+def test_fence_parser():
+    text = "\n".join(
+        [
+            "# Title",
+            "```python",
+            "x = 1",
+            "```",
+            "```bash",
+            "echo no",
+            "```",
+            "!!! note",
+            "    ```python",
+            "    y = x + 1",
+            "    ```",
+            "````python",
+            "s = '```'",
+            "````",
+        ]
+    )
+    assert python_blocks(text) == [
+        (3, "x = 1\n"),
+        (10, "y = x + 1\n"),
+        (13, "s = '```'\n"),
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_code_runs(page: Path):
+    if not page.exists():
+        pytest.skip(f"{page.name} does not exist")
+    blocks = python_blocks(page.read_text())
+    run_blocks(blocks, str(page))
+
+
+def _public_objects() -> list[tuple[str, object]]:
+    import speculax
+
+    modules = [speculax]
+    if (ROOT / "src/speculax/testing.py").exists():
+        import speculax.testing
+
+        modules.append(speculax.testing)
+    found = []
+    for module in modules:
+        names = getattr(module, "__all__", None) or [
+            name for name in vars(module) if not name.startswith("_")
+        ]
+        found.append((module.__name__, module))
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj):
+                continue
+            found.append((f"{module.__name__}.{name}", obj))
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if callable(member) and (attr == "__call__" or attr[0] != "_"):
+                        found.append((f"{module.__name__}.{name}.{attr}", member))
+    return found
+
+
+def test_docstring_code_runs():
+    ran = 0
+    for qualified_name, obj in _public_objects():
+        doc = inspect.getdoc(obj)
+        if not doc:
+            continue
+        blocks = python_blocks(doc)
+        run_blocks(blocks, f"<docstring of {qualified_name}>")
+        ran += len(blocks)
+    assert ran > 0
+
+
+def test_docs_pages_have_code():
+    """The pages that teach by example keep their examples (a guard against a fence
+    typo that would silently turn a page's code into text).
+    """
+    for name in ("index.md", "concepts.md", "guide.md"):
+        assert python_blocks((DOCS / name).read_text()), name
+
+
+def test_api_reference_is_complete():
+    """Every public name of `speculax` (and of `speculax.testing`) has an entry
+    (`::: name`) in the API reference, so that cross references to it resolve.
+    """
+    import speculax
+
+    documented = set(re.findall(r"^:::\s*(\S+)", _api_text(), re.M))
+    public = {
+        f"speculax.{name}"
+        for name in vars(speculax)
+        if not name.startswith("_") and not inspect.ismodule(getattr(speculax, name))
+    }
+    missing = sorted(public - documented)
+    assert not missing, f"add these to a page under docs/api/: {missing}"
+    if (ROOT / "src/speculax/testing.py").exists():
+        assert "speculax.testing" in documented
+
+
+def _api_text() -> str:
+    return "\n".join(page.read_text() for page in sorted((DOCS / "api").glob("*.md")))
+
+
+def test_nav_pages_exist():
+    nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert nav
+    for page in nav:
+        assert (DOCS / page).exists(), page
+
+
+def test_figure_is_small():
+    figure = DOCS / "images/lossless.png"
+    assert figure.exists()
+    assert figure.stat().st_size < 100_000

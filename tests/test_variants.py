@@ -1,0 +1,169 @@
+"""The verification variants serving engines offer (issue 6), each against NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inputs import random_inputs
+
+
+# --- Probabilities from logits -----------------------------------------------------
+
+
+def _reference_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        return np.eye(logits.shape[-1])[np.argmax(logits, -1)]
+    logits = logits / temperature
+    keep = np.ones(logits.shape, bool)
+    if top_k is not None:
+        kth = np.sort(logits, -1)[..., -top_k][..., None]
+        keep &= logits >= kth
+    probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p is not None:
+        for row in np.ndindex(probs.shape[:-1]):
+            order = np.argsort(-probs[row], kind="stable")
+            mass, needed = 0.0, []
+            for token in order:
+                if mass >= top_p:
+                    break
+                needed.append(probs[row][token])
+                mass += probs[row][token]
+            keep[row] &= probs[row] >= min(needed)
+        probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
+        probs /= probs.sum(-1, keepdims=True)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (1.0, None, None),
+        (0.7, None, None),
+        (1.3, 5, None),
+        (1.0, None, 0.8),
+        (0.5, 10, 0.9),
+        (2.0, 1, None),
+        (1.0, None, 1e-6),
+        (0.0, None, None),
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_probs_from_logits_matches_numpy(temperature, top_k, top_p, dtype):
+    import speculax
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, 40)), dtype)
+    probs = speculax.probs_from_logits(
+        logits, temperature=temperature, top_k=top_k, top_p=top_p
+    )
+    assert probs.dtype == jnp.float32
+    expected = _reference_probs(
+        np.asarray(logits, np.float32), temperature, top_k, top_p
+    )
+    np.testing.assert_allclose(probs, expected, atol=2e-6)
+
+
+def test_probs_from_logits_greedy_breaks_ties_toward_the_smallest_id():
+    import speculax
+
+    probs = speculax.probs_from_logits(jnp.array([[1.0, 3.0, 3.0]]), temperature=0.0)
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_probs_from_logits_rejects_bad_parameters(keywords, message):
+    import speculax
+
+    with pytest.raises(ValueError, match=message):
+        speculax.probs_from_logits(jnp.zeros((2, 5)), **keywords)
+
+
+# --- Randomness from keys ----------------------------------------------------------
+
+
+def test_uniforms_lie_in_the_unit_interval_with_the_right_shapes():
+    import speculax
+
+    accept, sample = speculax.uniforms(jax.random.key(0), 50, 4)
+    assert accept.shape == (50, 4) and sample.shape == (50,)
+    assert accept.dtype == sample.dtype == jnp.float32
+    for draws in (accept, sample):
+        assert bool(jnp.all((draws >= 0) & (draws < 1)))
+    # Distinct rows and positions get distinct draws.
+    assert len(np.unique(np.asarray(accept))) == accept.size
+
+
+def test_uniforms_accept_legacy_keys():
+    import speculax
+
+    accept, sample = speculax.uniforms(jax.random.PRNGKey(3), 2, 3)
+    assert accept.shape == (2, 3) and sample.shape == (2,)
+
+
+def test_uniforms_reject_a_key_array_of_the_wrong_length():
+    import speculax
+
+    with pytest.raises(
+        ValueError, match=r"key must be a single key or one key per row"
+    ):
+        speculax.uniforms(jax.random.split(jax.random.key(0), 3), 4, 2)
+
+
+# --- Typical acceptance ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("epsilon, alpha", [(0.09, 0.3), (0.3, 0.1), (1.0, 1.0)])
+def test_typical_acceptance_matches_numpy(epsilon, alpha):
+    import speculax
+
+    inputs = random_inputs(5, 4, 3, 20, style="peaked")
+    passed = speculax.TypicalAcceptance(epsilon=epsilon, alpha=alpha)(
+        *(
+            jnp.asarray(inputs[name])
+            for name in (
+                "draft_tokens",
+                "draft_probs",
+                "target_probs",
+                "accept_uniforms",
+            )
+        )
+    )
+    p = inputs["target_probs"][:, :3].astype(np.float64)
+    entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1)
+    threshold = np.minimum(epsilon, alpha * np.exp(-entropy))
+    at_draft = np.take_along_axis(p, inputs["draft_tokens"][..., None], -1)[..., 0]
+    np.testing.assert_array_equal(passed, at_draft > threshold)
+
+
+@pytest.mark.parametrize("epsilon, alpha", [(0.0, 0.3), (1.5, 0.3), (0.1, -1.0)])
+def test_typical_acceptance_rejects_bad_parameters(epsilon, alpha):
+    import speculax
+
+    with pytest.raises(ValueError):
+        speculax.TypicalAcceptance(epsilon=epsilon, alpha=alpha)
+
+
+def test_typical_acceptance_is_reported_lossy():
+    import speculax
+    import speculax.testing
+
+    inputs = random_inputs(2, 1, 2, 4, style="peaked", dtype=np.float64)
+    step = speculax.SpeculativeStep(acceptance=speculax.TypicalAcceptance())
+    error = speculax.testing.lossless_error(
+        step, inputs["draft_probs"][0], inputs["target_probs"][0]
+    )
+    assert error > 1e-3
+    exact = speculax.testing.lossless_error(
+        speculax.SpeculativeStep(), inputs["draft_probs"][0], inputs["target_probs"][0]
+    )
+    assert exact < 1e-12

@@ -1,0 +1,124 @@
+"""Type-checked, not run by pytest: the library as a researcher would use it.
+
+`pyright` (configured in pyproject.toml, basic mode) checks this file together with
+src/, so that the public surface stays usable from typed code: constructing a step,
+subclassing a piece, calling the step, indexing its result, and editing it with
+`eqx.tree_at`. The file name does not start with `test_`, so pytest does not collect
+it; it is real code all the same, and `python tests/typecheck_usage.py` runs it.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+import speculax
+
+
+class ThresholdAcceptance(speculax.AbstractAcceptance):
+    """A custom, lossy acceptance piece: passes when p(x) >= threshold * q(x)."""
+
+    threshold: float = 0.5
+
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+    ) -> Bool[Array, "batch draft"]:
+        del accept_uniforms
+        num_draft = draft_tokens.shape[1]
+        index = draft_tokens[..., None]
+        p = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)[..., 0]
+        q = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]
+        return p >= self.threshold * q
+
+
+def make_inputs(
+    key: jax.Array, batch: int, num_draft: int, vocab: int
+) -> tuple[Array, Array, Array, Array, Array]:
+    keys = jax.random.split(key, 5)
+    target_probs = jax.nn.softmax(
+        jax.random.normal(keys[0], (batch, num_draft + 1, vocab)), axis=-1
+    )
+    draft_probs = jax.nn.softmax(
+        jax.random.normal(keys[1], (batch, num_draft, vocab)), axis=-1
+    )
+    draft_tokens = jax.random.categorical(keys[2], jnp.log(draft_probs), axis=-1)
+    accept_uniforms = jax.random.uniform(keys[3], (batch, num_draft))
+    sample_uniforms = jax.random.uniform(keys[4], (batch,))
+    return draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+
+
+def main() -> None:
+    inputs = make_inputs(jax.random.key(0), batch=3, num_draft=4, vocab=16)
+
+    # The ready-made function and the Module with its default pieces.
+    out: speculax.StepOutput = speculax.speculative_step(*inputs)
+    step = speculax.SpeculativeStep()
+    out = step(*inputs)
+    num_accepted: Array = out["num_accepted"]
+    tokens: Array = out["tokens"]
+    assert num_accepted.shape == (3,)
+    assert tokens.shape == (3, 5)
+
+    # Keyword arguments, NumPy arrays and nested lists are all accepted.
+    listed = speculax.speculative_step(
+        draft_tokens=[[3, 2]],
+        draft_probs=[[[0.2, 0.59, 0.04, 0.17], [0.12, 0.43, 0.42, 0.03]]],
+        target_probs=np.array(
+            [
+                [
+                    [0.04, 0.44, 0.24, 0.28],
+                    [0.27, 0.36, 0.23, 0.14],
+                    [0.19, 0.34, 0.07, 0.4],
+                ]
+            ],
+            dtype=np.float32,
+        ),
+        accept_uniforms=np.array([[0.27, 0.79]], dtype=np.float32),
+        sample_uniforms=[0.92],
+    )
+    assert listed["tokens"].tolist() == [[3, 3, -1]]
+
+    # Swap a piece through the constructor ...
+    custom = speculax.SpeculativeStep(
+        acceptance=ThresholdAcceptance(threshold=0.8),
+        prefix=speculax.PrefixCount(),
+        residual=speculax.Residual(),
+        sampler=speculax.InverseCDF(block_size=128),
+        check_values=True,
+        check_all_probs=False,
+    )
+    # ... or with eqx.tree_at, which returns a new step of the same type.
+    swapped: speculax.SpeculativeStep = eqx.tree_at(
+        lambda s: s.acceptance, step, ThresholdAcceptance()
+    )
+    retuned = eqx.tree_at(lambda s: s.sampler, swapped, speculax.InverseCDF(64))
+    acceptance: speculax.AbstractAcceptance = retuned.acceptance
+    assert isinstance(acceptance, ThresholdAcceptance)
+
+    # Compiled, with the step as an argument so that swapping a piece recompiles.
+    compiled = eqx.filter_jit(custom)
+    result = compiled(*inputs)
+    counts: list[int] = np.asarray(result["num_accepted"]).tolist()
+    assert all(0 <= n <= 4 for n in counts)
+
+    # The pieces can be called on their own.
+    draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = inputs
+    passed = step.acceptance(draft_tokens, draft_probs, target_probs, accept_uniforms)
+    n = step.prefix(passed)
+    weights = step.residual(n, draft_tokens, draft_probs, target_probs)
+    drawn = step.sampler(weights, sample_uniforms)
+    assert drawn.shape == (3,)
+
+    # vmap over an extra leading axis of independent batches.
+    stacked = tuple(jnp.stack([x, x]) for x in inputs)
+    batched = jax.vmap(step)(*stacked)
+    assert batched["tokens"].shape == (2, 3, 5)
+
+
+if __name__ == "__main__":
+    main()
