@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._numerics import upcast
-from ._residual import alias_num_accepted, stopping_row_summary
+from ._stopping_rows import RowSummary
 
 
 def check_structure(
@@ -116,35 +116,28 @@ def check_cheap_values(
 
 
 def check_stopping_rows(
-    num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    num_accepted: Int[Array, " batch"], summary: RowSummary
 ) -> Int[Array, " batch"]:
-    """Checks the rows $p_n$ and $q_n$ that the residual reads.
-
-    Uses the one-pass row summary of the default residual, memoised at trace time, so
-    that the check and the default residual and sampler read the two rows once between
-    them: nearly free.
+    """Checks the rows $p_n$ and $q_n$ that the step draws from, through the flags of
+    their one-pass summary (see `RowSummary`): nearly free
+    when the summary serves the sampling too.
 
     **Returns:**
 
     `num_accepted`, tied to the checks.
     """
-    summary = stopping_row_summary(num_accepted, draft_probs, target_probs)
-    checked = eqx.error_if(
+    num_accepted = eqx.error_if(
         num_accepted,
         summary.invalid_target_rows(),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "value in the row p_n at the stopping position n = num_accepted",
     )
-    checked = eqx.error_if(
-        checked,
+    return eqx.error_if(
+        num_accepted,
         summary.invalid_draft_rows(),
         "draft_probs must be finite and non-negative; got a negative, NaN or "
         "infinite value in the row q_n at the stopping position n = num_accepted",
     )
-    alias_num_accepted(checked, num_accepted)
-    return checked
 
 
 def check_all_probs(

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._numerics import upcast
-from ._residual import RowSummary, block_excess_rows, residual_recipe
+from ._stopping_rows import RowSummary, block_excess_rows
 
 
 class AbstractSampler(eqx.Module):
@@ -53,10 +53,10 @@ class InverseCDF(AbstractSampler):
     whose cumulative weight exceeds the threshold, $y$ is the largest $v$ with
     $w(v) > 0$. A row with no positive weight at all gives $-1$.
 
-    Given the unmodified output of the default [`speculax.Residual`][], it takes a fast
-    path with the same computation: the block sums come from one pass over the rows
-    $p_n$ and $q_n$ (shared with the value checks) and the weights are never
-    materialised. Any other weights take the generic path.
+    Inside a [`speculax.SpeculativeStep`][] beside the default
+    [`speculax.Residual`][], the pair runs as one (`sample_residual`): the same
+    computation, drawn from block sums of the rows $p_n$ and $q_n$ without
+    materialising the weights.
 
     **Arguments:**
 
@@ -85,21 +85,6 @@ class InverseCDF(AbstractSampler):
         An int32 array of shape `(batch,)`: the token $y$ per row, or `-1` for a row
         with no positive weight.
         """
-        recipe = residual_recipe(weights)
-        if recipe is not None:
-            summary, num_accepted, draft_probs, target_probs = recipe
-            if summary.block_size == min(self.block_size, weights.shape[-1]):
-                return _sample_stopping_rows(
-                    summary, num_accepted, draft_probs, target_probs, sample_uniforms
-                )
-        return self._sample_weights(weights, sample_uniforms)
-
-    def _sample_weights(
-        self,
-        weights: Float[Array, "batch vocab"],
-        sample_uniforms: Float[Array, " batch"],
-    ) -> Int[Array, " batch"]:
-        # The generic path, for any weights.
         weights = upcast(weights)
         batch, vocab = weights.shape
         block_size = min(self.block_size, vocab)
@@ -118,17 +103,14 @@ class InverseCDF(AbstractSampler):
         )
 
 
-def _sample_stopping_rows(
-    summary: RowSummary,
-    num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
-    sample_uniforms: Float[Array, " batch"],
+def sample_residual(
+    summary: RowSummary, sample_uniforms: Float[Array, " batch"]
 ) -> Int[Array, " batch"]:
-    """The fast path for the weights of the default [`speculax.Residual`][]: the block
-    sums come from the one-pass row summary, and only the chosen block of $p_n$ and
-    $q_n$ is read again. The same computation as the generic path, up to the order
-    of the additions inside a block.
+    """[`speculax.InverseCDF`][] applied to the weights of [`speculax.Residual`][],
+    without materialising them: the block sums come from the one-pass summary of the
+    stopping rows, and only the chosen block of $p_n$ and $q_n$ is read again. The
+    same computation as the two pieces in turn, up to the order of the additions
+    inside a block.
     """
     has_mass = jnp.any(summary.excess_block_mass > 0, axis=-1)
     fallback = summary.fallback_block_mass(~jnp.all(has_mass))
@@ -137,7 +119,11 @@ def _sample_stopping_rows(
         block_mass, sample_uniforms
     )
     excess, target = block_excess_rows(
-        num_accepted, draft_probs, target_probs, block_index, summary.block_size
+        summary.num_accepted,
+        summary.draft_probs,
+        summary.target_probs,
+        block_index,
+        summary.block_size,
     )
     chosen = jnp.where(has_mass[:, None], excess, target)
     return _find_token(

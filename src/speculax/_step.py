@@ -16,7 +16,8 @@ from ._checks import (
 )
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._residual import AbstractResidual, Residual
-from ._sampling import AbstractSampler, InverseCDF
+from ._sampling import AbstractSampler, InverseCDF, sample_residual
+from ._stopping_rows import stopping_row_summary
 
 
 # The entry points take JAX arrays, NumPy arrays or nested Python lists, and check their
@@ -157,10 +158,31 @@ class SpeculativeStep(eqx.Module):
             draft_tokens, draft_probs, target_probs, accept_uniforms
         )
         num_accepted = self.prefix(passed)
-        if self.check_values:
-            num_accepted = check_stopping_rows(num_accepted, draft_probs, target_probs)
-        weights = self.residual(num_accepted, draft_tokens, draft_probs, target_probs)
-        drawn = self.sampler(weights, sample_uniforms)
+        # The default residual and sampler, and only they (not subclasses, which may
+        # change what the pieces compute), run as one: drawn from block sums of the
+        # stopping rows without materialising the weights. Any other pair runs as
+        # written, the sampler reading the residual's (batch, vocab) weights.
+        if type(self.residual) is Residual and type(self.sampler) is InverseCDF:
+            summary = stopping_row_summary(
+                num_accepted,
+                draft_probs,
+                target_probs,
+                block_size=self.sampler.block_size,
+            )
+            if self.check_values:
+                num_accepted = check_stopping_rows(num_accepted, summary)
+            drawn = sample_residual(summary, sample_uniforms)
+        else:
+            if self.check_values:
+                # Only the summary's flags are read, whatever its block size.
+                summary = stopping_row_summary(
+                    num_accepted, draft_probs, target_probs, block_size=256
+                )
+                num_accepted = check_stopping_rows(num_accepted, summary)
+            weights = self.residual(
+                num_accepted, draft_tokens, draft_probs, target_probs
+            )
+            drawn = self.sampler(weights, sample_uniforms)
         if self.check_values:
             drawn = check_sampled(drawn, target_probs.shape[-1])
 
