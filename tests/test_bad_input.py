@@ -214,6 +214,18 @@ CASES = [
         TypeError,
         r"sample_uniforms must have a floating-point dtype",
     ),
+    Case(
+        "accept_uniforms missing for the ratio test",
+        lambda inputs: inputs.pop("accept_uniforms"),
+        ValueError,
+        r"accept_uniforms is required: RatioAcceptance reads it",
+    ),
+    Case(
+        "sample_uniforms missing for inverse-CDF sampling",
+        lambda inputs: inputs.pop("sample_uniforms"),
+        ValueError,
+        r"sample_uniforms is required: InverseCDF reads it",
+    ),
     # Values: at run time, through Equinox's runtime errors.
     Case(
         "token -1",

@@ -1,5 +1,8 @@
 """The verification variants serving engines offer (issue 6), each against NumPy."""
 
+import functools
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +170,130 @@ def test_typical_acceptance_is_reported_lossy():
         speculax.SpeculativeStep(), inputs["draft_probs"][0], inputs["target_probs"][0]
     )
     assert exact < 1e-12
+
+
+# --- Greedy verification -----------------------------------------------------------
+
+
+@functools.cache
+def _greedy():
+    import speculax
+
+    return eqx.filter_jit(speculax.greedy_step())
+
+
+def _reference_greedy(inputs):
+    target = inputs["target_probs"]
+    argmax = np.argmax(target, axis=-1)
+    batch, num_draft = inputs["draft_tokens"].shape
+    tokens = np.full((batch, num_draft + 1), -1)
+    counts = np.zeros(batch, int)
+    for row in range(batch):
+        n = 0
+        while n < num_draft and inputs["draft_tokens"][row, n] == argmax[row, n]:
+            n += 1
+        counts[row] = n
+        tokens[row, :n] = inputs["draft_tokens"][row, :n]
+        tokens[row, n] = argmax[row, n]
+    return counts, tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", [(5, 3, 6), (2, 0, 4)])
+def test_greedy_step_matches_numpy_without_uniforms(seed, shape):
+    inputs = random_inputs(seed, *shape, style="peaked")
+    # Make some drafts the target's argmax so that runs of acceptances happen.
+    argmax = np.argmax(inputs["target_probs"][:, : shape[1]], axis=-1)
+    keep = np.random.default_rng(seed).random(argmax.shape) < 0.7
+    inputs["draft_tokens"] = np.where(keep, argmax, inputs["draft_tokens"])
+    out = _greedy()(
+        inputs["draft_tokens"], inputs["draft_probs"], inputs["target_probs"]
+    )
+    counts, tokens = _reference_greedy(inputs)
+    np.testing.assert_array_equal(out["num_accepted"], counts)
+    np.testing.assert_array_equal(out["tokens"], tokens)
+
+
+def test_greedy_ties_go_to_the_smallest_token_id():
+    import speculax
+
+    target = jnp.array([[[0.4, 0.4, 0.2], [0.1, 0.45, 0.45]]])
+    out = speculax.greedy_step()(jnp.array([[1]]), jnp.zeros((1, 1, 3)), target)
+    # Token 1 ties with token 0 for p_0's maximum and loses; y = 0.
+    assert out["tokens"].tolist() == [[0, -1]]
+    out = speculax.greedy_step()(jnp.array([[0]]), jnp.zeros((1, 1, 3)), target)
+    assert out["tokens"].tolist() == [[0, 1]]
+
+
+def test_argmax_sampler_and_target_row_by_hand():
+    import speculax
+
+    weights = jnp.array([[0.1, 0.7, 0.2], [0.0, 0.0, 0.0]])
+    assert speculax.Argmax()(weights, jnp.zeros(2)).tolist() == [1, -1]
+    target = jnp.array([[[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]]])
+    row = speculax.TargetRow()(
+        jnp.array([1]), jnp.array([[2]]), jnp.zeros((1, 1, 3)), target
+    )
+    np.testing.assert_array_equal(row, target[:, 1])
+
+
+# --- Uniforms from a key -----------------------------------------------------------
+
+
+def test_a_row_keyed_step_is_reproducible_whatever_its_batch_mates():
+    import speculax
+
+    inputs = random_inputs(3, 6, 3, 300, style="peaked")
+    del inputs["accept_uniforms"], inputs["sample_uniforms"]
+    keys = jax.random.split(jax.random.key(42), 6)
+    whole = speculax.speculative_step(**inputs, key=keys)
+    others = random_inputs(4, 6, 3, 300, style="flat")
+    del others["accept_uniforms"], others["sample_uniforms"]
+    # Row 2 among different batch mates, with different keys for them.
+    mixed = {name: value.copy() for name, value in others.items()}
+    for name in mixed:
+        mixed[name][0] = inputs[name][2]
+    mixed_keys = jax.random.split(jax.random.key(7), 6).at[0].set(keys[2])
+    alone = speculax.speculative_step(**mixed, key=mixed_keys)
+    np.testing.assert_array_equal(alone["tokens"][0], whole["tokens"][2])
+    # And the key is the same as passing the uniforms it draws.
+    accept, sample = speculax.uniforms(keys, 6, 3)
+    explicit = speculax.speculative_step(
+        **inputs, accept_uniforms=accept, sample_uniforms=sample
+    )
+    np.testing.assert_array_equal(explicit["tokens"], whole["tokens"])
+
+
+def test_key_and_uniforms_together_are_refused():
+    import speculax
+
+    inputs = random_inputs(0, 2, 2, 5)
+    with pytest.raises(ValueError, match="either key or accept_uniforms"):
+        speculax.SpeculativeStep()(**inputs, key=jax.random.key(0))
+
+
+# --- Diagnostics -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", ["peaked", "sparse"])
+def test_diagnostics_match_numpy(style):
+    import speculax
+
+    inputs = random_inputs(9, 4, 3, 30, style=style)
+    stats = speculax.diagnose(speculax.SpeculativeStep(), **inputs)
+    out = speculax.speculative_step(**inputs)
+    np.testing.assert_array_equal(stats["tokens"], out["tokens"])
+    np.testing.assert_array_equal(stats["num_accepted"], out["num_accepted"])
+    p = inputs["target_probs"][:, :3].astype(np.float64)
+    q = inputs["draft_probs"].astype(np.float64)
+    tokens = inputs["draft_tokens"][..., None]
+    p_x = np.take_along_axis(p, tokens, -1)[..., 0]
+    q_x = np.take_along_axis(q, tokens, -1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.where(q_x > 0, np.minimum(1, p_x / q_x), (p_x > 0) * 1.0)
+    np.testing.assert_allclose(stats["acceptance_probs"], expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        stats["expected_acceptance_rate"], np.minimum(p, q).sum(-1), rtol=1e-5
+    )
+    accepted = np.arange(3)[None, :] < np.asarray(out["num_accepted"])[:, None]
+    np.testing.assert_array_equal(stats["accepted"], accepted)

@@ -8,17 +8,30 @@ from ._acceptance import (
     RatioAcceptance as RatioAcceptance,
     TypicalAcceptance as TypicalAcceptance,
 )
+from ._diagnostics import (
+    StepDiagnostics as StepDiagnostics,
+    diagnose as diagnose,
+)
 from ._logits import probs_from_logits as probs_from_logits
 from ._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,
     PrefixCount as PrefixCount,
 )
 from ._random import uniforms as uniforms
-from ._residual import AbstractResidual as AbstractResidual, Residual as Residual
-from ._sampling import AbstractSampler as AbstractSampler, InverseCDF as InverseCDF
+from ._residual import (
+    AbstractResidual as AbstractResidual,
+    Residual as Residual,
+    TargetRow as TargetRow,
+)
+from ._sampling import (
+    AbstractSampler as AbstractSampler,
+    Argmax as Argmax,
+    InverseCDF as InverseCDF,
+)
 from ._step import (
     SpeculativeStep as SpeculativeStep,
     StepOutput as StepOutput,
+    greedy_step as greedy_step,
     speculative_step as speculative_step,
 )
 

@@ -1,4 +1,5 @@
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -16,7 +17,12 @@ class AbstractAcceptance(eqx.Module):
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(acceptance=...)`. Only the
     per-position verdicts are returned: the first failure ending the step is the job of
     the prefix count.
+
+    A deterministic test sets the class variable `reads_uniforms = False`, so that a
+    step may be called without `accept_uniforms`.
     """
+
+    reads_uniforms: ClassVar[bool] = True
 
     @abc.abstractmethod
     def __call__(
@@ -96,9 +102,12 @@ class GreedyAcceptance(AbstractAcceptance):
     smallest token id. Deterministic: the draft probabilities and the uniforms are not
     read.
 
-    Pair it with [`speculax.TargetResidual`][] and [`speculax.Argmax`][], so that the
-    correction or bonus token is $\\arg\\max_v p_n(v)$.
+    Pair it with [`speculax.TargetRow`][] and [`speculax.Argmax`][], so that the
+    correction or bonus token is $\\arg\\max_v p_n(v)$; [`speculax.greedy_step`][]
+    builds that step.
     """
+
+    reads_uniforms: ClassVar[bool] = False
 
     def __call__(
         self,
@@ -143,6 +152,7 @@ class TypicalAcceptance(AbstractAcceptance):
         non-negative.
     """
 
+    reads_uniforms: ClassVar[bool] = False
     epsilon: float = eqx.field(static=True, default=0.09)
     alpha: float = eqx.field(static=True, default=0.3)
 

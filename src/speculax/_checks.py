@@ -12,11 +12,12 @@ def check_structure(
     draft_tokens: Array,
     draft_probs: Array,
     target_probs: Array,
-    accept_uniforms: Array,
-    sample_uniforms: Array,
+    accept_uniforms: Array | None,
+    sample_uniforms: Array | None,
 ) -> None:
     """Raises `ValueError` for a wrong rank or disagreeing sizes and `TypeError` for a
-    wrong kind of dtype, naming the argument, the expected and the actual.
+    wrong kind of dtype, naming the argument, the expected and the actual. Uniforms
+    given as `None` (to be drawn or not needed) are skipped.
 
     Works on shapes and dtypes only, so it runs at trace time under `jit` and `vmap`.
     """
@@ -28,6 +29,8 @@ def check_structure(
         "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
     }
     for name, (x, pattern, kind) in arguments.items():
+        if x is None:
+            continue
         rank = len(pattern.strip("(,)").split(","))
         if x.ndim != rank:
             raise ValueError(
@@ -52,16 +55,20 @@ def check_structure(
             (batch, num_draft + 1, vocab),
             target_probs.shape,
         ),
-        "accept_uniforms": ("(B, G)", (batch, num_draft), accept_uniforms.shape),
-        "sample_uniforms": ("(B,)", (batch,), sample_uniforms.shape),
+        "accept_uniforms": ("(B, G)", (batch, num_draft), _shape(accept_uniforms)),
+        "sample_uniforms": ("(B,)", (batch,), _shape(sample_uniforms)),
     }
     for name, (pattern, want, got) in expected.items():
-        if tuple(got) != want:
+        if got is not None and tuple(got) != want:
             raise ValueError(
                 f"{name} must have shape {pattern} = {want}, with B and G from "
                 f"draft_tokens {tuple(draft_tokens.shape)} and V from target_probs; "
                 f"got {tuple(got)}"
             )
+
+
+def _shape(x: Array | None) -> tuple[int, ...] | None:
+    return None if x is None else tuple(x.shape)
 
 
 def check_cheap_values(

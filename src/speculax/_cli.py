@@ -115,7 +115,7 @@ def step_json(inputs: Any) -> dict[str, list]:
         raise InputError(f"unknown key(s): {', '.join(unknown)}")
     arrays = {name: _as_array(name, inputs[name]) for name in INPUT_NAMES}
     try:
-        out = speculative_step(**arrays)
+        out = speculative_step(*(arrays[name] for name in INPUT_NAMES))
         return {name: np.asarray(value).tolist() for name, value in out.items()}
     except (ValueError, TypeError) as error:
         raise InputError(str(error)) from None

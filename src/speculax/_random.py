@@ -3,8 +3,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key, UInt32
 
 
+# One key, or one per row; typed keys (`jax.random.key`) or legacy uint32 ones.
+KeyArray = Key[Array, "..."] | UInt32[Array, "... 2"]
+
+
 def uniforms(
-    key: Key[Array, "..."] | UInt32[Array, "... 2"], batch: int, draft: int
+    key: KeyArray, batch: int, draft: int
 ) -> tuple[Float[Array, "batch draft"], Float[Array, " batch"]]:
     """Draws the uniform noise of one step, `(accept_uniforms, sample_uniforms)`, in
     `[0, 1)`.

@@ -89,3 +89,34 @@ class Residual(AbstractResidual):
         weights = jnp.where(drafting, excess, target_row)
         has_mass = jnp.any(weights > 0, axis=-1, keepdims=True)
         return jnp.where(has_mass, weights, target_row)
+
+
+class TargetRow(AbstractResidual):
+    """The target distribution itself, $w = p_n$, whatever the drafts.
+
+    For greedy verification (see [`speculax.GreedyAcceptance`][]), where the
+    correction token is the target's most likely token at the stopping position.
+    Beside the ratio test it is **not lossless**: the residual must remove what the
+    draft already proposed.
+    """
+
+    def __call__(
+        self,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"],
+        target_probs: Float[Array, "batch draft+1 vocab"],
+    ) -> Float[Array, "batch vocab"]:
+        """**Arguments:**
+
+        - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
+        - `draft_tokens`: not read.
+        - `draft_probs`: not read.
+        - `target_probs`: $p_i$, the target distributions.
+
+        **Returns:**
+
+        The row $p_n$ of shape `(batch, vocab)`, in the arithmetic dtype.
+        """
+        del draft_tokens, draft_probs
+        return upcast(target_probs[jnp.arange(num_accepted.shape[0]), num_accepted])

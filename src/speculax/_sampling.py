@@ -1,4 +1,5 @@
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -14,8 +15,12 @@ class AbstractSampler(eqx.Module):
     driven by one uniform number per element.
 
     Subclass it and implement `__call__` to write your own; plug it into
-    [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`.
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`. A
+    deterministic sampler sets the class variable `reads_uniforms = False`, so that a
+    step may be called without `sample_uniforms`.
     """
+
+    reads_uniforms: ClassVar[bool] = True
 
     @abc.abstractmethod
     def __call__(
@@ -101,6 +106,33 @@ class InverseCDF(AbstractSampler):
         return _find_token(
             chosen, block_index, block_size, before_block, threshold, total
         )
+
+
+class Argmax(AbstractSampler):
+    """Greedy sampling: $y = \\arg\\max_v w(v)$, ties going to the smallest token id.
+    Deterministic: the uniforms are not read.
+    """
+
+    reads_uniforms: ClassVar[bool] = False
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        """**Arguments:**
+
+        - `weights`: non-negative, not necessarily normalised weights $w$.
+        - `sample_uniforms`: not read.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`: the most likely token per row, or `-1` for
+        a row with no positive weight.
+        """
+        weights = upcast(weights)
+        token = jnp.argmax(weights, axis=-1)
+        return jnp.where(jnp.any(weights > 0, axis=-1), token, -1).astype(jnp.int32)
 
 
 def sample_residual(

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
-from ._acceptance import AbstractAcceptance, RatioAcceptance
+from ._acceptance import AbstractAcceptance, GreedyAcceptance, RatioAcceptance
 from ._checks import (
     check_all_probs,
     check_cheap_values,
@@ -15,8 +15,9 @@ from ._checks import (
     check_structure,
 )
 from ._prefix import AbstractPrefixCount, PrefixCount
-from ._residual import AbstractResidual, Residual
-from ._sampling import AbstractSampler, InverseCDF, sample_residual
+from ._random import KeyArray, uniforms
+from ._residual import AbstractResidual, Residual, TargetRow
+from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
 from ._stopping_rows import stopping_row_summary
 
 
@@ -101,8 +102,10 @@ class SpeculativeStep(eqx.Module):
         draft_tokens: InputArray,
         draft_probs: InputArray,
         target_probs: InputArray,
-        accept_uniforms: InputArray,
-        sample_uniforms: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        key: KeyArray | None = None,
     ) -> StepOutput:
         """Runs the step on a batch.
 
@@ -117,8 +120,13 @@ class SpeculativeStep(eqx.Module):
         - `draft_probs`: float `(B, G, V)`, $q_i$, the distribution $x_i$ was drawn
             from.
         - `target_probs`: float `(B, G + 1, V)`, $p_i$; $p_G$ follows the last draft.
-        - `accept_uniforms`: float `(B, G)` in `[0, 1)`, $u_i$.
-        - `sample_uniforms`: float `(B,)` in `[0, 1)`, $s$.
+        - `accept_uniforms`: float `(B, G)` in `[0, 1)`, $u_i$. May be omitted when
+            `key` is given, or when the acceptance piece is deterministic (its
+            `reads_uniforms` is `False`).
+        - `sample_uniforms`: float `(B,)` in `[0, 1)`, $s$. May be omitted likewise,
+            for a deterministic sampler.
+        - `key`: keyword only, a JAX PRNG key (one, or one per row) to draw both
+            uniforms from, with [`speculax.uniforms`][], instead of passing them.
 
         **Returns:**
 
@@ -137,11 +145,14 @@ class SpeculativeStep(eqx.Module):
             _token_array(draft_tokens),
             jnp.asarray(draft_probs),
             jnp.asarray(target_probs),
-            jnp.asarray(accept_uniforms),
-            jnp.asarray(sample_uniforms),
+            None if accept_uniforms is None else jnp.asarray(accept_uniforms),
+            None if sample_uniforms is None else jnp.asarray(sample_uniforms),
         )
         check_structure(
             draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+        )
+        accept_uniforms, sample_uniforms = self._uniforms(
+            draft_tokens.shape, accept_uniforms, sample_uniforms, key
         )
         if self.check_all_probs:
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
@@ -191,6 +202,37 @@ class SpeculativeStep(eqx.Module):
             "tokens": _assemble_tokens(draft_tokens, num_accepted, drawn),
         }
 
+    def _uniforms(
+        self,
+        shape: tuple[int, ...],
+        accept_uniforms: Array | None,
+        sample_uniforms: Array | None,
+        key: KeyArray | None,
+    ) -> tuple[Array, Array]:
+        """The uniforms as given, drawn from `key`, or zeros where no piece reads them;
+        a `ValueError` where a piece needs them and they are missing.
+        """
+        batch, num_draft = shape
+        if key is not None:
+            if accept_uniforms is not None or sample_uniforms is not None:
+                raise ValueError(
+                    "pass either key or accept_uniforms and sample_uniforms, not both"
+                )
+            return uniforms(key, batch, num_draft)
+        given = {"accept_uniforms": accept_uniforms, "sample_uniforms": sample_uniforms}
+        readers = {"accept_uniforms": self.acceptance, "sample_uniforms": self.sampler}
+        for name, value in given.items():
+            if value is None and readers[name].reads_uniforms:
+                reader = type(readers[name]).__name__
+                raise ValueError(
+                    f"{name} is required: {reader} reads it; pass it, or key= to draw"
+                )
+        if accept_uniforms is None:
+            accept_uniforms = jnp.zeros((batch, num_draft), jnp.float32)
+        if sample_uniforms is None:
+            sample_uniforms = jnp.zeros((batch,), jnp.float32)
+        return accept_uniforms, sample_uniforms
+
 
 def _token_array(draft_tokens: InputArray) -> Array:
     # An empty nested list has no dtype of its own (NumPy would call it float), but the
@@ -225,8 +267,10 @@ def speculative_step(
     draft_tokens: InputArray,
     draft_probs: InputArray,
     target_probs: InputArray,
-    accept_uniforms: InputArray,
-    sample_uniforms: InputArray,
+    accept_uniforms: InputArray | None = None,
+    sample_uniforms: InputArray | None = None,
+    *,
+    key: KeyArray | None = None,
 ) -> StepOutput:
     """The verification step with the default pieces, compiled once per input
     structure and cached.
@@ -242,6 +286,7 @@ def speculative_step(
     - `target_probs`: float `(B, G + 1, V)`.
     - `accept_uniforms`: float `(B, G)` in `[0, 1)`.
     - `sample_uniforms`: float `(B,)` in `[0, 1)`.
+    - `key`: keyword only, a PRNG key to draw both uniforms from instead.
 
     Each may be a JAX array, a NumPy array or a nested Python list.
 
@@ -277,6 +322,42 @@ def speculative_step(
         _token_array(draft_tokens),
         jnp.asarray(draft_probs),
         jnp.asarray(target_probs),
-        jnp.asarray(accept_uniforms),
-        jnp.asarray(sample_uniforms),
+        None if accept_uniforms is None else jnp.asarray(accept_uniforms),
+        None if sample_uniforms is None else jnp.asarray(sample_uniforms),
+        key=key,
+    )
+
+
+def greedy_step(**flags: bool) -> SpeculativeStep:
+    """The step of greedy verification: a draft token passes when it is the target's
+    most likely token, and the correction or bonus token is the target's most likely
+    token at the stopping position. No uniforms are read.
+
+    **Arguments:**
+
+    - `**flags`: `check_values` and `check_all_probs`, as for
+        [`speculax.SpeculativeStep`][].
+
+    **Returns:**
+
+    `SpeculativeStep(GreedyAcceptance(), PrefixCount(), TargetRow(), Argmax())`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    step = speculax.greedy_step()
+    out = step(
+        draft_tokens=jnp.array([[1, 2]]),
+        draft_probs=jnp.zeros((1, 2, 3)),
+        target_probs=jnp.array([[[0.2, 0.5, 0.3], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8]]]),
+    )
+    # Token 1 is p_0's argmax and passes; token 2 is not p_1's (0 is): y = 0.
+    assert out["tokens"].tolist() == [[1, 0, -1]]
+    ```
+    """
+    return SpeculativeStep(
+        GreedyAcceptance(), PrefixCount(), TargetRow(), Argmax(), **flags
     )

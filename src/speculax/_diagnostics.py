@@ -1,0 +1,102 @@
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from ._numerics import upcast
+from ._random import KeyArray
+from ._step import InputArray, SpeculativeStep, StepOutput
+
+
+class StepDiagnostics(StepOutput):
+    """What [`speculax.diagnose`][] returns: the two keys of [`speculax.StepOutput`][]
+    and three more, for users who track acceptance metrics.
+
+    - `acceptance_probs`: float `(batch, draft)`, the probability that each draft
+        token passes the ratio test, $\\min(1, p_i(x_i) / q_i(x_i))$ (1 where
+        $q_i(x_i) = 0 < p_i(x_i)$, 0 where $p_i(x_i) = 0$).
+    - `accepted`: bool `(batch, draft)`, whether each draft token was kept: position
+        $i$ is accepted when $i < n$.
+    - `expected_acceptance_rate`: float `(batch, draft)`, the probability that a
+        token drawn from $q_i$ passes, $\\sum_v \\min(p_i(v), q_i(v))$.
+    """
+
+    acceptance_probs: Float[Array, "batch draft"]
+    accepted: Bool[Array, "batch draft"]
+    expected_acceptance_rate: Float[Array, "batch draft"]
+
+
+def diagnose(
+    step: SpeculativeStep,
+    draft_tokens: InputArray,
+    draft_probs: InputArray,
+    target_probs: InputArray,
+    accept_uniforms: InputArray | None = None,
+    sample_uniforms: InputArray | None = None,
+    *,
+    key: KeyArray | None = None,
+) -> StepDiagnostics:
+    """Runs `step` and returns its output together with acceptance statistics.
+
+    The statistics read every draft and target probability (the expected acceptance
+    rate is a sum over the vocabulary), so this costs a pass over both arrays that
+    `step` alone does not make.
+
+    **Arguments:**
+
+    - `step`: the [`speculax.SpeculativeStep`][] to run.
+    - the other arguments: as for [`speculax.SpeculativeStep.__call__`][].
+
+    **Returns:**
+
+    A [`speculax.StepDiagnostics`][] dict.
+
+    **Example:**
+
+    ```python
+    import speculax
+
+    stats = speculax.diagnose(
+        speculax.SpeculativeStep(),
+        draft_tokens=[[3, 2]],
+        draft_probs=[[[0.2, 0.59, 0.04, 0.17], [0.12, 0.43, 0.42, 0.03]]],
+        target_probs=[
+            [
+                [0.04, 0.44, 0.24, 0.28],
+                [0.27, 0.36, 0.23, 0.14],
+                [0.19, 0.34, 0.07, 0.4],
+            ]
+        ],
+        accept_uniforms=[[0.27, 0.79]],
+        sample_uniforms=[0.92],
+    )
+    assert stats["accepted"].tolist() == [[True, False]]
+    # min(1, 0.28 / 0.17) and min(1, 0.23 / 0.42):
+    assert abs(stats["acceptance_probs"][0, 1] - 0.23 / 0.42) < 1e-6
+    ```
+    """
+    out = step(
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        accept_uniforms,
+        sample_uniforms,
+        key=key,
+    )
+    tokens = jnp.asarray(out["tokens"])[:, :-1]
+    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    draft = upcast(jnp.asarray(draft_probs))
+    target = upcast(jnp.asarray(target_probs))[:, : tokens.shape[1]]
+    index = draft_tokens[..., None]
+    target_at_draft = jnp.take_along_axis(target, index, axis=-1)[..., 0]
+    draft_at_draft = jnp.take_along_axis(draft, index, axis=-1)[..., 0]
+    ratio = target_at_draft / jnp.where(draft_at_draft > 0, draft_at_draft, 1)
+    acceptance_probs = jnp.where(
+        draft_at_draft > 0, jnp.minimum(1, ratio), target_at_draft > 0
+    ).astype(target.dtype)
+    position = jnp.arange(tokens.shape[1])[None, :]
+    return {
+        "num_accepted": out["num_accepted"],
+        "tokens": out["tokens"],
+        "acceptance_probs": acceptance_probs,
+        "accepted": position < out["num_accepted"][:, None],
+        "expected_acceptance_rate": jnp.sum(jnp.minimum(target, draft), axis=-1),
+    }
