@@ -310,6 +310,18 @@ CASES = [
         r"draft_probs.* must be finite and non-negative.*q_n",
     ),
     Case(
+        "ragged length above G",
+        _set("num_draft_tokens", np.array([1, DRAFT + 1], np.int32)),
+        RuntimeError,
+        r"num_draft_tokens must lie in \[0, G\] = \[0, 3\]",
+    ),
+    Case(
+        "ragged lengths of the wrong shape",
+        _set("num_draft_tokens", np.array([1, 2, 3], np.int32)),
+        ValueError,
+        r"num_draft_tokens must have shape \(B,\) = \(2,\)",
+    ),
+    Case(
         "all-zero target row at the stop",
         _put("target_probs", (1, 0), 0.0),
         RuntimeError,

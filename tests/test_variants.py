@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from inputs import random_inputs
+from oracle import judge
 
 
 # --- Probabilities from logits -----------------------------------------------------
@@ -297,3 +298,137 @@ def test_diagnostics_match_numpy(style):
     )
     accepted = np.arange(3)[None, :] < np.asarray(out["num_accepted"])[:, None]
     np.testing.assert_array_equal(stats["accepted"], accepted)
+
+
+# --- Deterministic drafts ----------------------------------------------------------
+
+
+def _one_hot(tokens, vocab):
+    return np.eye(vocab, dtype=np.float32)[tokens]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("shape", [(4, 3, 7), (3, 2, 600), (2, 0, 5)])
+def test_deterministic_drafts_are_one_hot_draft_distributions(seed, shape):
+    import speculax
+
+    inputs = random_inputs(seed, *shape, style="peaked")
+    inputs["draft_probs"] = _one_hot(inputs["draft_tokens"], shape[2])
+    with_none = dict(inputs, draft_probs=None)
+    out = speculax.speculative_step(**with_none)
+    # Judged against the one-hot distributions they stand for.
+    assert judge(inputs, out) == []
+    dense = speculax.speculative_step(**inputs)
+    np.testing.assert_array_equal(out["tokens"], dense["tokens"])
+
+
+def test_deterministic_residual_takes_the_rejected_token_out():
+    import speculax
+
+    target = jnp.array([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])
+    weights = speculax.Residual()(jnp.array([0]), jnp.array([[0]]), None, target)
+    np.testing.assert_allclose(weights, [[0.0, 0.3, 0.2]])
+    ratio = speculax.RatioAcceptance()(
+        jnp.array([[0]]), None, target, jnp.array([[0.49]])
+    )
+    assert ratio.tolist() == [[True]]  # accepted with probability p_0(x_0) = 0.5
+
+
+def test_deterministic_drafts_are_lossless():
+    import speculax.testing
+
+    q = np.eye(4)[[2, 0]]  # the drafts 2 then 0, with certainty
+    p = np.random.default_rng(0).dirichlet(np.ones(4), 3)
+    assert speculax.testing.lossless_error(speculax.SpeculativeStep(), q, p) < 1e-12
+
+
+# --- Ragged batches ----------------------------------------------------------------
+
+
+@functools.cache
+def _ragged_steps():
+    import speculax
+
+    class Delegating(speculax.AbstractResidual):
+        # The default weights through a piece the step does not know: the generic
+        # path, which must agree with the default pair's fused one.
+        inner: speculax.Residual = speculax.Residual()
+
+        def __call__(
+            self,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            *,
+            num_draft_tokens=None,
+        ):
+            return self.inner(
+                num_accepted,
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                num_draft_tokens=num_draft_tokens,
+            )
+
+    return {
+        "default": eqx.filter_jit(speculax.SpeculativeStep()),
+        "generic": eqx.filter_jit(speculax.SpeculativeStep(residual=Delegating())),
+    }
+
+
+@pytest.mark.parametrize("path", ["default", "generic"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_ragged_batch_is_each_row_run_alone(path, seed):
+    batch, num_draft, vocab = 6, 4, 300
+    inputs = random_inputs(seed, batch, num_draft, vocab, style="peaked")
+    lengths = np.random.default_rng(seed).integers(0, num_draft + 1, batch)
+    lengths[0], lengths[1] = 0, num_draft
+    # Unused positions may hold anything: padding tokens and garbage probabilities.
+    unused = np.arange(num_draft)[None, :] >= lengths[:, None]
+    padded = dict(inputs)
+    padded["draft_tokens"] = np.where(unused, -1, inputs["draft_tokens"])
+    padded["accept_uniforms"] = np.where(unused, 7.0, inputs["accept_uniforms"])
+    step = _ragged_steps()[path]
+    out = step(**padded, num_draft_tokens=lengths)
+    for row, length in enumerate(lengths):
+        alone = {
+            "draft_tokens": inputs["draft_tokens"][row : row + 1, :length],
+            "draft_probs": inputs["draft_probs"][row : row + 1, :length],
+            "target_probs": inputs["target_probs"][row : row + 1, : length + 1],
+            "accept_uniforms": inputs["accept_uniforms"][row : row + 1, :length],
+            "sample_uniforms": inputs["sample_uniforms"][row : row + 1],
+        }
+        expected = step(**alone)
+        tokens = np.asarray(out["tokens"][row])
+        np.testing.assert_array_equal(tokens[: length + 1], expected["tokens"][0])
+        assert (tokens[length + 1 :] == -1).all()
+        assert int(out["num_accepted"][row]) == int(expected["num_accepted"][0])
+
+
+def test_ragged_lengths_outside_the_draft_are_refused():
+    import speculax
+
+    inputs = random_inputs(0, 2, 3, 5)
+    with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, G\]"):
+        jax.block_until_ready(
+            speculax.SpeculativeStep()(**inputs, num_draft_tokens=np.array([1, 4]))
+        )
+    with pytest.raises(ValueError, match=r"num_draft_tokens must have shape \(B,\)"):
+        speculax.SpeculativeStep()(**inputs, num_draft_tokens=np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="num_draft_tokens must have an integer"):
+        speculax.SpeculativeStep()(**inputs, num_draft_tokens=np.array([1.0, 2.0]))
+
+
+def test_diagnostics_with_deterministic_drafts():
+    import speculax
+
+    inputs = random_inputs(1, 3, 2, 9, style="peaked")
+    stats = speculax.diagnose(
+        speculax.SpeculativeStep(), **dict(inputs, draft_probs=None)
+    )
+    p_x = np.take_along_axis(
+        inputs["target_probs"][:, :2], inputs["draft_tokens"][..., None], -1
+    )[..., 0]
+    np.testing.assert_allclose(stats["acceptance_probs"], p_x, rtol=1e-6)
+    np.testing.assert_allclose(stats["expected_acceptance_rate"], p_x, rtol=1e-6)

@@ -28,14 +28,15 @@ class AbstractAcceptance(eqx.Module):
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
         """**Arguments:**
 
         - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
-        - `draft_probs`: $q_i$, the distribution each draft token was sampled from.
+        - `draft_probs`: $q_i$, the distribution each draft token was sampled from;
+            `None` for deterministic drafts ($q_i$ the one-hot of $x_i$).
         - `target_probs`: $p_i$, the target distribution at each position, with one
             extra position $p_G$ after the last draft token.
         - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
@@ -61,14 +62,15 @@ class RatioAcceptance(AbstractAcceptance):
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
         """**Arguments:**
 
         - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
-        - `draft_probs`: $q_i$, the distribution each draft token was sampled from.
+        - `draft_probs`: $q_i$, the distribution each draft token was sampled from;
+            `None` for deterministic drafts ($q_i$ the one-hot of $x_i$).
         - `target_probs`: $p_i$, the target distribution at each position, with one
             extra position $p_G$ after the last draft token.
         - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
@@ -85,15 +87,24 @@ class RatioAcceptance(AbstractAcceptance):
 
 def draft_token_probs(
     draft_tokens: Int[Array, "batch draft"],
-    draft_probs: Float[Array, "batch draft vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch draft+1 vocab"],
 ) -> tuple[Float[Array, "batch draft"], Float[Array, "batch draft"]]:
-    """Gathers $p_i(x_i)$ and $q_i(x_i)$, upcast to the arithmetic dtype."""
-    num_draft = draft_tokens.shape[1]
-    index = draft_tokens[..., None]
-    target = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)
-    draft = jnp.take_along_axis(draft_probs, index, axis=-1)
-    return upcast(target[..., 0]), upcast(draft[..., 0])
+    """Gathers $p_i(x_i)$ and $q_i(x_i)$, upcast to the arithmetic dtype; $q_i(x_i) = 1$
+    for deterministic drafts (`draft_probs=None`).
+
+    Point gathers straight from the inputs, not from `target_probs[:, :G]`: a slice
+    with two users (the acceptance piece and the value checks) is materialised by XLA
+    CPU for half-precision inputs, a copy of nearly the whole array. Identical gathers
+    in the two users are merged by XLA.
+    """
+    batch, num_draft = draft_tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    positions = jnp.arange(num_draft)[None, :]
+    target = upcast(target_probs[rows, positions, draft_tokens])
+    if draft_probs is None:
+        return target, jnp.ones_like(target)
+    return target, upcast(draft_probs[rows, positions, draft_tokens])
 
 
 class GreedyAcceptance(AbstractAcceptance):
@@ -112,7 +123,7 @@ class GreedyAcceptance(AbstractAcceptance):
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
@@ -165,7 +176,7 @@ class TypicalAcceptance(AbstractAcceptance):
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:

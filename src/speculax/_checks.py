@@ -4,20 +4,22 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._numerics import upcast
+from ._acceptance import draft_token_probs
 from ._stopping_rows import RowSummary
 
 
 def check_structure(
     draft_tokens: Array,
-    draft_probs: Array,
+    draft_probs: Array | None,
     target_probs: Array,
     accept_uniforms: Array | None,
     sample_uniforms: Array | None,
+    num_draft_tokens: Array | None,
 ) -> None:
     """Raises `ValueError` for a wrong rank or disagreeing sizes and `TypeError` for a
-    wrong kind of dtype, naming the argument, the expected and the actual. Uniforms
-    given as `None` (to be drawn or not needed) are skipped.
+    wrong kind of dtype, naming the argument, the expected and the actual. Arguments
+    given as `None` (deterministic drafts, uniforms to be drawn or not needed, no
+    ragged lengths) are skipped.
 
     Works on shapes and dtypes only, so it runs at trace time under `jit` and `vmap`.
     """
@@ -27,6 +29,7 @@ def check_structure(
         "target_probs": (target_probs, "(B, G + 1, V)", jnp.floating),
         "accept_uniforms": (accept_uniforms, "(B, G)", jnp.floating),
         "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
+        "num_draft_tokens": (num_draft_tokens, "(B,)", jnp.integer),
     }
     for name, (x, pattern, kind) in arguments.items():
         if x is None:
@@ -49,7 +52,7 @@ def check_structure(
             f"{target_probs.shape}"
         )
     expected = {
-        "draft_probs": ("(B, G, V)", (batch, num_draft, vocab), draft_probs.shape),
+        "draft_probs": ("(B, G, V)", (batch, num_draft, vocab), _shape(draft_probs)),
         "target_probs": (
             "(B, G + 1, V)",
             (batch, num_draft + 1, vocab),
@@ -57,6 +60,7 @@ def check_structure(
         ),
         "accept_uniforms": ("(B, G)", (batch, num_draft), _shape(accept_uniforms)),
         "sample_uniforms": ("(B,)", (batch,), _shape(sample_uniforms)),
+        "num_draft_tokens": ("(B,)", (batch,), _shape(num_draft_tokens)),
     }
     for name, (pattern, want, got) in expected.items():
         if got is not None and tuple(got) != want:
@@ -73,15 +77,16 @@ def _shape(x: Array | None) -> tuple[int, ...] | None:
 
 def check_cheap_values(
     draft_tokens: Int[Array, "batch draft"],
-    draft_probs: Float[Array, "batch draft vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch draft+1 vocab"],
     accept_uniforms: Float[Array, "batch draft"],
     sample_uniforms: Float[Array, " batch"],
+    num_draft_tokens: Int[Array, " batch"] | None,
 ) -> tuple[
     Int[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]
 ]:
     """Checks the tokens, the uniforms and the draft tokens' probabilities, which the
-    step reads anyway.
+    step reads anyway, at the draft positions in use (below `num_draft_tokens`).
 
     **Returns:**
 
@@ -89,14 +94,26 @@ def check_cheap_values(
     that the step cannot run ahead of them.
     """
     vocab = target_probs.shape[-1]
+    batch, num_draft = draft_tokens.shape
+    if num_draft_tokens is None:
+        in_use = jnp.ones((batch, num_draft), bool)
+    else:
+        # Tied into `in_use`, and through it into the returned tokens.
+        lengths = eqx.error_if(
+            num_draft_tokens,
+            (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
+            f"num_draft_tokens must lie in [0, G] = [0, {num_draft}]; got a length "
+            "outside it",
+        )
+        in_use = jnp.arange(num_draft)[None, :] < lengths[:, None]
     draft_tokens = eqx.error_if(
         draft_tokens,
-        (draft_tokens < 0) | (draft_tokens >= vocab),
+        in_use & ((draft_tokens < 0) | (draft_tokens >= vocab)),
         f"draft_tokens must lie in [0, V) = [0, {vocab}); got a token outside it",
     )
     accept_uniforms = eqx.error_if(
         accept_uniforms,
-        _outside_unit_interval(accept_uniforms),
+        in_use & _outside_unit_interval(accept_uniforms),
         "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
     )
     sample_uniforms = eqx.error_if(
@@ -104,18 +121,18 @@ def check_cheap_values(
         _outside_unit_interval(sample_uniforms),
         "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
     )
-    target_at_draft, draft_at_draft = _draft_token_probs(
+    target_at_draft, draft_at_draft = draft_token_probs(
         draft_tokens, draft_probs, target_probs
     )
     draft_tokens = eqx.error_if(
         draft_tokens,
-        _not_a_probability(target_at_draft),
+        in_use & _not_a_probability(target_at_draft),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "p_i(x_i) at a draft token",
     )
     draft_tokens = eqx.error_if(
         draft_tokens,
-        _not_a_probability(draft_at_draft),
+        in_use & _not_a_probability(draft_at_draft),
         "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
         "q_i(x_i) at a draft token",
     )
@@ -148,18 +165,21 @@ def check_stopping_rows(
 
 
 def check_all_probs(
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
-) -> tuple[Float[Array, "batch draft vocab"], Float[Array, "batch draft+1 vocab"]]:
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
+) -> tuple[
+    Float[Array, "batch draft vocab"] | None, Float[Array, "batch positions vocab"]
+]:
     """Scans every probability for negative or non-finite values: a full pass over
     both arrays, so opt-in.
     """
-    draft_probs = eqx.error_if(
-        draft_probs,
-        _not_a_probability(draft_probs),
-        "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
-        "value",
-    )
+    if draft_probs is not None:
+        draft_probs = eqx.error_if(
+            draft_probs,
+            _not_a_probability(draft_probs),
+            "draft_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite value",
+        )
     target_probs = eqx.error_if(
         target_probs,
         _not_a_probability(target_probs),
@@ -179,26 +199,6 @@ def check_sampled(token: Int[Array, " batch"], vocab: int) -> Int[Array, " batch
         "no token can be drawn: the residual at the stopping position n has no "
         "positive mass, even after falling back to target_probs[b, n], which has no "
         "positive entry",
-    )
-
-
-def _draft_token_probs(
-    draft_tokens: Int[Array, "batch draft"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
-) -> tuple[Float[Array, "batch draft"], Float[Array, "batch draft"]]:
-    """$p_i(x_i)$ and $q_i(x_i)$, upcast, by point gathers straight from the inputs.
-
-    Not `target_probs[:, :G]` first: the acceptance piece gathers from that slice with
-    the checked tokens, and a slice with two users is materialised by XLA CPU for
-    half-precision inputs, a copy of nearly the whole array.
-    """
-    batch, num_draft = draft_tokens.shape
-    rows = jnp.arange(batch)[:, None]
-    positions = jnp.arange(num_draft)[None, :]
-    return (
-        upcast(target_probs[rows, positions, draft_tokens]),
-        upcast(draft_probs[rows, positions, draft_tokens]),
     )
 
 

@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -27,18 +28,21 @@ class StepDiagnostics(StepOutput):
 def diagnose(
     step: SpeculativeStep,
     draft_tokens: InputArray,
-    draft_probs: InputArray,
+    draft_probs: InputArray | None,
     target_probs: InputArray,
     accept_uniforms: InputArray | None = None,
     sample_uniforms: InputArray | None = None,
     *,
     key: KeyArray | None = None,
+    num_draft_tokens: InputArray | None = None,
 ) -> StepDiagnostics:
     """Runs `step` and returns its output together with acceptance statistics.
 
     The statistics read every draft and target probability (the expected acceptance
     rate is a sum over the vocabulary), so this costs a pass over both arrays that
-    `step` alone does not make.
+    `step` alone does not make. With deterministic drafts (`draft_probs=None`) the
+    statistics take $q_i$ as the one-hot of $x_i$; in a ragged batch, positions past
+    a row's draft length hold statistics of whatever they contain.
 
     **Arguments:**
 
@@ -80,11 +84,15 @@ def diagnose(
         accept_uniforms,
         sample_uniforms,
         key=key,
+        num_draft_tokens=num_draft_tokens,
     )
-    tokens = jnp.asarray(out["tokens"])[:, :-1]
+    num_draft = out["tokens"].shape[1] - 1
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    draft = upcast(jnp.asarray(draft_probs))
-    target = upcast(jnp.asarray(target_probs))[:, : tokens.shape[1]]
+    target = upcast(jnp.asarray(target_probs))[:, :num_draft]
+    if draft_probs is None:
+        draft = jax.nn.one_hot(draft_tokens, target.shape[-1], dtype=target.dtype)
+    else:
+        draft = upcast(jnp.asarray(draft_probs))
     index = draft_tokens[..., None]
     target_at_draft = jnp.take_along_axis(target, index, axis=-1)[..., 0]
     draft_at_draft = jnp.take_along_axis(draft, index, axis=-1)[..., 0]
@@ -92,7 +100,7 @@ def diagnose(
     acceptance_probs = jnp.where(
         draft_at_draft > 0, jnp.minimum(1, ratio), target_at_draft > 0
     ).astype(target.dtype)
-    position = jnp.arange(tokens.shape[1])[None, :]
+    position = jnp.arange(num_draft)[None, :]
     return {
         "num_accepted": out["num_accepted"],
         "tokens": out["tokens"],

@@ -16,6 +16,11 @@ class AbstractResidual(eqx.Module):
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(residual=...)`. An
     implementation should read only row $n$ of each batch element: the other
     $G$ positions are never needed.
+
+    A residual that supports ragged batches accepts the keyword `num_draft_tokens`
+    (the step passes it only for ragged batches, so a residual without it still works
+    on full ones): drafting stopped at $n$ with a draft to correct when
+    $n < g_b$, and a bonus token is due when $n = g_b$.
     """
 
     @abc.abstractmethod
@@ -23,16 +28,21 @@ class AbstractResidual(eqx.Module):
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         """**Arguments:**
 
         - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
         - `draft_tokens`: $x_i$, the draft tokens.
-        - `draft_probs`: $q_i$, the draft distributions.
+        - `draft_probs`: $q_i$, the draft distributions; `None` for deterministic
+            drafts ($q_i$ the one-hot of $x_i$).
         - `target_probs`: $p_i$, the target distributions, one more position than the
             drafts.
+        - `num_draft_tokens`: keyword only, $g_b \\le G$, the number of draft positions
+            in use in each row of a ragged batch; `None` means $G$ for every row.
 
         **Returns:**
 
@@ -47,9 +57,11 @@ class Residual(AbstractResidual):
 
     For $n < G$ the weights are $w(v) = \\max(p_n(v) - q_n(v), 0)$: the target mass the
     draft under-proposed, which is what makes the step lossless. For $n = G$ (every
-    draft accepted) they are the bonus distribution $w(v) = p_G(v)$. If the weights have
-    no positive entry, which only rounding or unnormalised inputs can cause, they fall
-    back to $w = p_n$.
+    draft accepted) they are the bonus distribution $w(v) = p_G(v)$; in a ragged
+    batch, $G$ is the row's own draft length $g_b$. With deterministic drafts ($q_n$
+    the one-hot of $x_n$) the weights are $p_n$ with $x_n$ taken out. If the weights
+    have no positive entry, which only rounding or unnormalised inputs can cause, they
+    fall back to $w = p_n$.
 
     Reads the two rows $p_n$ and $q_n$ of each batch element and nothing else.
 
@@ -64,13 +76,15 @@ class Residual(AbstractResidual):
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         """**Arguments:**
 
         - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
-        - `draft_tokens`: $x_i$, the draft tokens (unused by this residual).
+        - `draft_tokens`: $x_i$, the draft tokens (read for deterministic drafts).
         - `draft_probs`: $q_i$, the draft distributions.
         - `target_probs`: $p_i$, the target distributions, one more position than the
             drafts.
@@ -79,13 +93,23 @@ class Residual(AbstractResidual):
 
         The weights $w$ of shape `(batch, vocab)` in the arithmetic dtype.
         """
-        del draft_tokens
         target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
         target_row = upcast(target_row)
-        if draft_row is None:
+        num_draft = draft_tokens.shape[1]
+        if num_draft == 0:
             return target_row
-        drafting = (num_accepted < draft_probs.shape[1])[:, None]
-        excess = jnp.maximum(target_row - upcast(draft_row), 0)
+        limit = num_draft if num_draft_tokens is None else num_draft_tokens
+        drafting = (num_accepted < limit)[:, None]
+        if draft_row is None:
+            # Deterministic drafts: q_n is the one-hot of x_n, so max(p_n - q_n, 0)
+            # is p_n with the rejected draft token taken out.
+            rejected = jnp.take_along_axis(
+                draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
+            )
+            is_rejected = jnp.arange(target_row.shape[-1])[None, :] == rejected
+            excess = jnp.where(is_rejected, jnp.maximum(target_row - 1, 0), target_row)
+        else:
+            excess = jnp.maximum(target_row - upcast(draft_row), 0)
         weights = jnp.where(drafting, excess, target_row)
         has_mass = jnp.any(weights > 0, axis=-1, keepdims=True)
         return jnp.where(has_mass, weights, target_row)
@@ -104,8 +128,10 @@ class TargetRow(AbstractResidual):
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         """**Arguments:**
 
@@ -118,5 +144,5 @@ class TargetRow(AbstractResidual):
 
         The row $p_n$ of shape `(batch, vocab)`, in the arithmetic dtype.
         """
-        del draft_tokens, draft_probs
+        del draft_tokens, draft_probs, num_draft_tokens
         return upcast(target_probs[jnp.arange(num_accepted.shape[0]), num_accepted])

@@ -150,13 +150,7 @@ def sample_residual(
     block_index, before_block, threshold, total = _find_block(
         block_mass, sample_uniforms
     )
-    excess, target = block_excess_rows(
-        summary.num_accepted,
-        summary.draft_probs,
-        summary.target_probs,
-        block_index,
-        summary.block_size,
-    )
+    excess, target = block_excess_rows(summary, block_index)
     chosen = jnp.where(has_mass[:, None], excess, target)
     return _find_token(
         chosen, block_index, summary.block_size, before_block, threshold, total

@@ -100,12 +100,13 @@ class SpeculativeStep(eqx.Module):
     def __call__(
         self,
         draft_tokens: InputArray,
-        draft_probs: InputArray,
+        draft_probs: InputArray | None,
         target_probs: InputArray,
         accept_uniforms: InputArray | None = None,
         sample_uniforms: InputArray | None = None,
         *,
         key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
     ) -> StepOutput:
         """Runs the step on a batch.
 
@@ -118,7 +119,10 @@ class SpeculativeStep(eqx.Module):
 
         - `draft_tokens`: integer `(B, G)`, $x_i$, each in `[0, V)`.
         - `draft_probs`: float `(B, G, V)`, $q_i$, the distribution $x_i$ was drawn
-            from.
+            from; or `None` for deterministic drafts (n-gram, EAGLE top-1, Medusa
+            heads), meaning $q_i$ is the one-hot of $x_i$: a draft token then passes
+            with probability $p_i(x_i)$, and the residual is $p_n$ with $x_n$ taken
+            out. No `(B, G, V)` array is made.
         - `target_probs`: float `(B, G + 1, V)`, $p_i$; $p_G$ follows the last draft.
         - `accept_uniforms`: float `(B, G)` in `[0, 1)`, $u_i$. May be omitted when
             `key` is given, or when the acceptance piece is deterministic (its
@@ -127,6 +131,11 @@ class SpeculativeStep(eqx.Module):
             for a deterministic sampler.
         - `key`: keyword only, a JAX PRNG key (one, or one per row) to draw both
             uniforms from, with [`speculax.uniforms`][], instead of passing them.
+        - `num_draft_tokens`: keyword only, integer `(B,)` in `[0, G]`: a ragged
+            batch, row $b$ using only its first $g_b$ draft positions. Positions at and
+            past $g_b$ are ignored (they may hold anything, e.g. `-1` padding); if all
+            $g_b$ drafts pass, the bonus token is drawn from $p_{g_b}$. Row by row the
+            same as running that row alone with $G = g_b$.
 
         **Returns:**
 
@@ -141,15 +150,19 @@ class SpeculativeStep(eqx.Module):
         the distribution drawn from has no positive mass. With `check_all_probs=True`,
         also when any probability anywhere is negative or not finite.
         """
-        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = (
-            _token_array(draft_tokens),
-            jnp.asarray(draft_probs),
-            jnp.asarray(target_probs),
-            None if accept_uniforms is None else jnp.asarray(accept_uniforms),
-            None if sample_uniforms is None else jnp.asarray(sample_uniforms),
-        )
+        draft_tokens = _token_array(draft_tokens)
+        target_probs = jnp.asarray(target_probs)
+        draft_probs = _optional_array(draft_probs)
+        accept_uniforms = _optional_array(accept_uniforms)
+        sample_uniforms = _optional_array(sample_uniforms)
+        num_draft_tokens = _optional_array(num_draft_tokens)
         check_structure(
-            draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+            num_draft_tokens,
         )
         accept_uniforms, sample_uniforms = self._uniforms(
             draft_tokens.shape, accept_uniforms, sample_uniforms, key
@@ -163,22 +176,33 @@ class SpeculativeStep(eqx.Module):
                 target_probs,
                 accept_uniforms,
                 sample_uniforms,
+                num_draft_tokens,
             )
 
         passed = self.acceptance(
             draft_tokens, draft_probs, target_probs, accept_uniforms
         )
+        ragged = {}
+        if num_draft_tokens is not None:
+            in_use = jnp.arange(passed.shape[1])[None, :] < num_draft_tokens[:, None]
+            passed = passed & in_use
+            ragged = {"num_draft_tokens": num_draft_tokens}
         num_accepted = self.prefix(passed)
         # The default residual and sampler, and only they (not subclasses, which may
         # change what the pieces compute), run as one: drawn from block sums of the
         # stopping rows without materialising the weights. Any other pair runs as
         # written, the sampler reading the residual's (batch, vocab) weights.
-        if type(self.residual) is Residual and type(self.sampler) is InverseCDF:
+        if (
+            type(self.residual) is Residual
+            and type(self.sampler) is InverseCDF
+            and draft_probs is not None
+        ):
             summary = stopping_row_summary(
                 num_accepted,
                 draft_probs,
                 target_probs,
                 block_size=self.sampler.block_size,
+                num_draft_tokens=num_draft_tokens,
             )
             if self.check_values:
                 num_accepted = check_stopping_rows(num_accepted, summary)
@@ -187,11 +211,15 @@ class SpeculativeStep(eqx.Module):
             if self.check_values:
                 # Only the summary's flags are read, whatever its block size.
                 summary = stopping_row_summary(
-                    num_accepted, draft_probs, target_probs, block_size=256
+                    num_accepted,
+                    draft_probs,
+                    target_probs,
+                    block_size=256,
+                    num_draft_tokens=num_draft_tokens,
                 )
                 num_accepted = check_stopping_rows(num_accepted, summary)
             weights = self.residual(
-                num_accepted, draft_tokens, draft_probs, target_probs
+                num_accepted, draft_tokens, draft_probs, target_probs, **ragged
             )
             drawn = self.sampler(weights, sample_uniforms)
         if self.check_values:
@@ -242,6 +270,10 @@ def _token_array(draft_tokens: InputArray) -> Array:
     return jnp.asarray(draft_tokens)
 
 
+def _optional_array(x: InputArray | None) -> Array | None:
+    return None if x is None else jnp.asarray(x)
+
+
 def _assemble_tokens(
     draft_tokens: Int[Array, "batch draft"],
     num_accepted: Int[Array, " batch"],
@@ -265,12 +297,13 @@ _default_step = eqx.filter_jit(SpeculativeStep())
 
 def speculative_step(
     draft_tokens: InputArray,
-    draft_probs: InputArray,
+    draft_probs: InputArray | None,
     target_probs: InputArray,
     accept_uniforms: InputArray | None = None,
     sample_uniforms: InputArray | None = None,
     *,
     key: KeyArray | None = None,
+    num_draft_tokens: InputArray | None = None,
 ) -> StepOutput:
     """The verification step with the default pieces, compiled once per input
     structure and cached.
@@ -287,6 +320,8 @@ def speculative_step(
     - `accept_uniforms`: float `(B, G)` in `[0, 1)`.
     - `sample_uniforms`: float `(B,)` in `[0, 1)`.
     - `key`: keyword only, a PRNG key to draw both uniforms from instead.
+    - `num_draft_tokens`: keyword only, integer `(B,)`: each row's draft length, for
+        a ragged batch.
 
     Each may be a JAX array, a NumPy array or a nested Python list.
 
@@ -320,11 +355,12 @@ def speculative_step(
     # separate scalar argument.
     return _default_step(
         _token_array(draft_tokens),
-        jnp.asarray(draft_probs),
+        _optional_array(draft_probs),
         jnp.asarray(target_probs),
-        None if accept_uniforms is None else jnp.asarray(accept_uniforms),
-        None if sample_uniforms is None else jnp.asarray(sample_uniforms),
+        _optional_array(accept_uniforms),
+        _optional_array(sample_uniforms),
         key=key,
+        num_draft_tokens=_optional_array(num_draft_tokens),
     )
 
 

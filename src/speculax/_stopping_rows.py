@@ -16,19 +16,20 @@ from ._numerics import upcast
 
 def stopping_rows(
     num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
 ) -> tuple[Float[Array, "batch vocab"], Float[Array, "batch vocab"] | None]:
     """Gathers $p_n$ and $q_n$ in their input dtype.
 
-    $q_n$ is `None` when there are no draft positions at all; when $n = G$ it is the
-    last draft row, a stand-in that the caller must mask out.
+    $q_n$ is `None` when there are no draft positions or no draft distributions
+    (deterministic drafts); when $n = G$ it is the last draft row, a stand-in that the
+    caller must mask out.
     """
     batch = jnp.arange(num_accepted.shape[0])
     target_row = target_probs[batch, num_accepted]
-    num_draft = draft_probs.shape[1]
-    if num_draft == 0:
+    if draft_probs is None or draft_probs.shape[1] == 0:
         return target_row, None
+    num_draft = draft_probs.shape[1]
     draft_row = draft_probs[batch, jnp.minimum(num_accepted, num_draft - 1)]
     return target_row, draft_row
 
@@ -47,8 +48,9 @@ class RowSummary(eqx.Module):
 
     excess_block_mass: Float[Array, "batch blocks"]
     num_accepted: Int[Array, " batch"]
-    draft_probs: Float[Array, "batch draft vocab"]
-    target_probs: Float[Array, "batch draft+1 vocab"]
+    drafting: Bool[Array, " batch"]
+    draft_probs: Float[Array, "batch draft vocab"] | None
+    target_probs: Float[Array, "batch positions vocab"]
     block_size: int = eqx.field(static=True)
     per_row: bool = eqx.field(static=True)
 
@@ -72,6 +74,7 @@ class RowSummary(eqx.Module):
             needed,
             lambda: _row_block_sums(
                 self.num_accepted,
+                self.drafting,
                 self.draft_probs,
                 self.target_probs,
                 self.block_size,
@@ -84,10 +87,11 @@ class RowSummary(eqx.Module):
 
 def stopping_row_summary(
     num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
     *,
     block_size: int,
+    num_draft_tokens: Int[Array, " batch"] | None = None,
     per_row: bool | None = None,
 ) -> RowSummary:
     """The block sums of $\\max(p_n - q_n, 0)$ (or $p_G$ when $n = G$) and of $p_n$, in
@@ -99,7 +103,9 @@ def stopping_row_summary(
 
     **Arguments:**
 
-    - `num_accepted`, `draft_probs`, `target_probs`: as for the residual.
+    - `num_accepted`, `draft_probs`, `target_probs`, `num_draft_tokens`: as for the
+        residual. With `draft_probs=None` (deterministic drafts) the summary covers
+        $p_n$ alone, enough for the value checks.
     - `block_size`: the number of tokens summed into one block (at most the
         vocabulary size is used).
     - `per_row`: `True` loops over the batch (`lax.map` of `dynamic_slice`s: on XLA
@@ -116,29 +122,41 @@ def stopping_row_summary(
     """
     if per_row is None:
         per_row = _per_row_default()
-    if _half(draft_probs, target_probs):
+    if _half(target_probs, *([] if draft_probs is None else [draft_probs])):
         per_row = False
+    num_draft = target_probs.shape[1] - 1
+    limit = num_draft if num_draft_tokens is None else num_draft_tokens
+    drafting = (num_accepted < limit) & (draft_probs is not None)
     block_size = min(block_size, target_probs.shape[-1])
     excess = _row_block_sums(
-        num_accepted, draft_probs, target_probs, block_size, per_row, weights=True
+        num_accepted,
+        drafting,
+        draft_probs,
+        target_probs,
+        block_size,
+        per_row,
+        weights=True,
     )
     return RowSummary(
-        excess, num_accepted, draft_probs, target_probs, block_size, per_row
+        excess, num_accepted, drafting, draft_probs, target_probs, block_size, per_row
     )
 
 
 def block_excess_rows(
-    num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
-    block_index: Int[Array, " batch"],
-    block_size: int,
+    summary: RowSummary, block_index: Int[Array, " batch"]
 ) -> tuple[Float[Array, "batch block"], Float[Array, "batch block"]]:
-    """The weights $\\max(p_n - q_n, 0)$ (or $p_G$) and $p_n$ inside one block per
-    batch element, upcast, zero beyond the vocabulary: $2 \\cdot$ `block_size` reads
-    per element.
+    """The weights $\\max(p_n - q_n, 0)$ (or $p_n$ where not drafting) and $p_n$ inside
+    one block per batch element, upcast, zero beyond the vocabulary: $2 \\cdot$
+    `block_size` reads per element.
     """
-    batch, num_draft, vocab = draft_probs.shape
+    num_accepted, draft_probs, target_probs = (
+        summary.num_accepted,
+        summary.draft_probs,
+        summary.target_probs,
+    )
+    block_size = summary.block_size
+    batch, positions, vocab = target_probs.shape
+    num_draft = positions - 1
     rows = jnp.arange(batch)[:, None]
     token = block_index[:, None] * block_size + jnp.arange(block_size)[None, :]
     inside = token < vocab
@@ -146,17 +164,19 @@ def block_excess_rows(
     stop = num_accepted[:, None]
     target = upcast(target_probs[rows, stop, token])
     target = jnp.where(inside, target, 0)
-    if num_draft == 0:
+    if draft_probs is None or num_draft == 0:
         return target, target
     draft = upcast(draft_probs[rows, jnp.minimum(stop, num_draft - 1), token])
-    excess = jnp.where(stop < num_draft, jnp.maximum(target - draft, 0), target)
+    drafting = summary.drafting[:, None]
+    excess = jnp.where(drafting, jnp.maximum(target - draft, 0), target)
     return jnp.where(inside, excess, 0), target
 
 
 def _row_block_sums(
     num_accepted: Int[Array, " batch"],
-    draft_probs: Float[Array, "batch draft vocab"],
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    drafting: Bool[Array, " batch"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
     block_size: int,
     per_row: bool,
     *,
@@ -168,7 +188,8 @@ def _row_block_sums(
     Everything a row needs is one elementwise fusion feeding one reduction, so that
     XLA reads each of the two rows once.
     """
-    batch, num_draft, vocab = draft_probs.shape
+    batch, positions, vocab = target_probs.shape
+    num_draft = positions - 1
     num_blocks = -(-vocab // block_size)
     num_full = vocab // block_size
 
@@ -201,18 +222,18 @@ def _row_block_sums(
             zero = jnp.zeros((), jnp.int32)
             stop = num_accepted[b].astype(jnp.int32)
             target_row = _slice_row(target_probs, b, stop, zero)
-            if num_draft == 0 or not weights:
+            if draft_probs is None or num_draft == 0 or not weights:
                 return block_sums(target_row, None, None)
             draft_row = _slice_row(
                 draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
             )
-            return block_sums(target_row, draft_row, stop < num_draft)
+            return block_sums(target_row, draft_row, drafting[b])
 
         return jax.lax.map(one_row, jnp.arange(batch, dtype=jnp.int32))
     target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
     if not weights:
         draft_row = None
-    return block_sums(target_row, draft_row, (num_accepted < num_draft)[:, None])
+    return block_sums(target_row, draft_row, drafting[:, None])
 
 
 def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:
