@@ -432,3 +432,31 @@ def test_diagnostics_with_deterministic_drafts():
     )[..., 0]
     np.testing.assert_allclose(stats["acceptance_probs"], p_x, rtol=1e-6)
     np.testing.assert_allclose(stats["expected_acceptance_rate"], p_x, rtol=1e-6)
+
+
+# --- Every variant under vmap ------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["greedy", "deterministic", "ragged", "key"])
+def test_variants_under_vmap_match_each_copy_alone(variant):
+    import speculax
+
+    inputs = random_inputs(5, 3, 3, 40, style="peaked")
+    arguments = dict(inputs)
+    step = speculax.SpeculativeStep()
+    if variant == "greedy":
+        step = speculax.greedy_step()
+        del arguments["accept_uniforms"], arguments["sample_uniforms"]
+    elif variant == "deterministic":
+        arguments["draft_probs"] = None
+    elif variant == "ragged":
+        arguments["num_draft_tokens"] = np.array([0, 2, 3], np.int32)
+    else:
+        del arguments["accept_uniforms"], arguments["sample_uniforms"]
+        arguments["key"] = jax.random.split(jax.random.key(3), 3)
+    copies = [arguments, {**arguments}]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *copies)
+    out = jax.vmap(lambda args: step(**args))(stacked)
+    alone = step(**arguments)
+    for copy in range(2):
+        np.testing.assert_array_equal(out["tokens"][copy], alone["tokens"])
