@@ -28,6 +28,7 @@ from ._sampling import (
     Argmax as Argmax,
     InverseCDF as InverseCDF,
 )
+from ._sharded import sharded_step as sharded_step
 from ._step import (
     SpeculativeStep as SpeculativeStep,
     StepOutput as StepOutput,

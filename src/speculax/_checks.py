@@ -2,10 +2,9 @@
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ._acceptance import draft_token_probs
-from ._stopping_rows import RowSummary
 
 
 def check_structure(
@@ -82,18 +81,14 @@ def check_cheap_values(
     accept_uniforms: Float[Array, "batch draft"],
     sample_uniforms: Float[Array, " batch"],
     num_draft_tokens: Int[Array, " batch"] | None,
-) -> tuple[
-    Int[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]
-]:
+) -> Int[Array, "batch draft"]:
     """Checks the tokens, the uniforms and the draft tokens' probabilities, which the
     step reads anyway, at the draft positions in use (below `num_draft_tokens`).
 
     **Returns:**
 
-    `draft_tokens`, `accept_uniforms` and `sample_uniforms`, tied to the checks so
-    that the step cannot run ahead of them.
+    `draft_tokens`, tied to the checks so that the step cannot run ahead of them.
     """
-    vocab = target_probs.shape[-1]
     batch, num_draft = draft_tokens.shape
     if num_draft_tokens is None:
         in_use = jnp.ones((batch, num_draft), bool)
@@ -106,45 +101,81 @@ def check_cheap_values(
             "outside it",
         )
         in_use = jnp.arange(num_draft)[None, :] < lengths[:, None]
+    draft_tokens = check_tokens_and_uniforms(
+        draft_tokens, accept_uniforms, sample_uniforms, target_probs.shape[-1], in_use
+    )
+    target_at_draft, draft_at_draft = draft_token_probs(
+        draft_tokens, draft_probs, target_probs
+    )
+    return check_draft_token_probs(
+        draft_tokens, target_at_draft, draft_at_draft, in_use
+    )
+
+
+def check_tokens_and_uniforms(
+    draft_tokens: Int[Array, "batch draft"],
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+    vocab: int,
+    in_use: Bool[Array, "batch draft"],
+) -> Int[Array, "batch draft"]:
+    """Checks that the draft tokens lie in `[0, vocab)` and the uniforms in `[0, 1)`,
+    at the positions in use.
+
+    **Returns:**
+
+    `draft_tokens`, tied to all three checks.
+    """
     draft_tokens = eqx.error_if(
         draft_tokens,
         in_use & ((draft_tokens < 0) | (draft_tokens >= vocab)),
         f"draft_tokens must lie in [0, V) = [0, {vocab}); got a token outside it",
     )
-    accept_uniforms = eqx.error_if(
-        accept_uniforms,
-        in_use & _outside_unit_interval(accept_uniforms),
-        "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
-    )
-    sample_uniforms = eqx.error_if(
-        sample_uniforms,
-        _outside_unit_interval(sample_uniforms),
-        "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
-    )
-    target_at_draft, draft_at_draft = draft_token_probs(
-        draft_tokens, draft_probs, target_probs
-    )
     draft_tokens = eqx.error_if(
         draft_tokens,
-        in_use & _not_a_probability(target_at_draft),
+        in_use & outside_unit_interval(accept_uniforms),
+        "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
+    )
+    return eqx.error_if(
+        draft_tokens,
+        outside_unit_interval(sample_uniforms),
+        "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
+    )
+
+
+def check_draft_token_probs(
+    draft_tokens: Int[Array, "batch draft"],
+    target_at_draft: Float[Array, "batch draft"],
+    draft_at_draft: Float[Array, "batch draft"],
+    in_use: Bool[Array, "batch draft"],
+) -> Int[Array, "batch draft"]:
+    """Checks $p_i(x_i)$ and $q_i(x_i)$, as gathered, at the positions in use.
+
+    **Returns:**
+
+    `draft_tokens`, tied to the checks.
+    """
+    draft_tokens = eqx.error_if(
+        draft_tokens,
+        in_use & not_a_probability(target_at_draft),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "p_i(x_i) at a draft token",
     )
-    draft_tokens = eqx.error_if(
+    return eqx.error_if(
         draft_tokens,
-        in_use & _not_a_probability(draft_at_draft),
+        in_use & not_a_probability(draft_at_draft),
         "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
         "q_i(x_i) at a draft token",
     )
-    return draft_tokens, accept_uniforms, sample_uniforms
 
 
 def check_stopping_rows(
-    num_accepted: Int[Array, " batch"], summary: RowSummary
+    num_accepted: Int[Array, " batch"], excess_block_mass: Float[Array, "batch blocks"]
 ) -> Int[Array, " batch"]:
-    """Checks the rows $p_n$ and $q_n$ that the step draws from, through the flags of
-    their one-pass summary (see `RowSummary`): nearly free
-    when the summary serves the sampling too.
+    """Checks the rows $p_n$ and $q_n$ that the step draws from, through the flags in
+    the block sums of their one-pass summary (`RowSummary.excess_block_mass`: NaN
+    for a bad value in $p_n$, $+\\infty$ for one in $q_n$): nearly free when the
+    summary serves the sampling too.
 
     **Returns:**
 
@@ -152,13 +183,13 @@ def check_stopping_rows(
     """
     num_accepted = eqx.error_if(
         num_accepted,
-        summary.invalid_target_rows(),
+        jnp.any(jnp.isnan(excess_block_mass), axis=-1),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "value in the row p_n at the stopping position n = num_accepted",
     )
     return eqx.error_if(
         num_accepted,
-        summary.invalid_draft_rows(),
+        jnp.any(excess_block_mass == jnp.inf, axis=-1),
         "draft_probs must be finite and non-negative; got a negative, NaN or "
         "infinite value in the row q_n at the stopping position n = num_accepted",
     )
@@ -176,13 +207,13 @@ def check_all_probs(
     if draft_probs is not None:
         draft_probs = eqx.error_if(
             draft_probs,
-            _not_a_probability(draft_probs),
+            not_a_probability(draft_probs),
             "draft_probs must be finite and non-negative; got a negative, NaN or "
             "infinite value",
         )
     target_probs = eqx.error_if(
         target_probs,
-        _not_a_probability(target_probs),
+        not_a_probability(target_probs),
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "value",
     )
@@ -202,9 +233,9 @@ def check_sampled(token: Int[Array, " batch"], vocab: int) -> Int[Array, " batch
     )
 
 
-def _outside_unit_interval(u: Float[Array, "*shape"]) -> Array:
+def outside_unit_interval(u: Float[Array, "*shape"]) -> Array:
     return ~((u >= 0) & (u < 1))
 
 
-def _not_a_probability(x: Float[Array, "*shape"]) -> Array:
+def not_a_probability(x: Float[Array, "*shape"]) -> Array:
     return ~(jnp.isfinite(x) & (x >= 0))

@@ -99,11 +99,11 @@ class InverseCDF(AbstractSampler):
             batch, num_blocks, block_size
         )
         block_mass = jnp.sum(blocks, axis=-1)
-        block_index, before_block, threshold, total = _find_block(
+        block_index, before_block, threshold, total = find_block(
             block_mass, sample_uniforms
         )
         chosen = jnp.take_along_axis(blocks, block_index[:, None, None], axis=1)[:, 0]
-        return _find_token(
+        return find_token(
             chosen, block_index, block_size, before_block, threshold, total
         )
 
@@ -147,17 +147,17 @@ def sample_residual(
     has_mass = jnp.any(summary.excess_block_mass > 0, axis=-1)
     fallback = summary.fallback_block_mass(~jnp.all(has_mass))
     block_mass = jnp.where(has_mass[:, None], summary.excess_block_mass, fallback)
-    block_index, before_block, threshold, total = _find_block(
+    block_index, before_block, threshold, total = find_block(
         block_mass, sample_uniforms
     )
     excess, target = block_excess_rows(summary, block_index)
     chosen = jnp.where(has_mass[:, None], excess, target)
-    return _find_token(
+    return find_token(
         chosen, block_index, summary.block_size, before_block, threshold, total
     )
 
 
-def _find_block(
+def find_block(
     block_mass: Float[Array, "batch blocks"], sample_uniforms: Float[Array, " batch"]
 ) -> tuple[
     Int[Array, " batch"],
@@ -179,7 +179,7 @@ def _find_block(
     return block_index, before_block, threshold, total
 
 
-def _find_token(
+def find_token(
     chosen: Float[Array, "batch block"],
     block_index: Int[Array, " batch"],
     block_size: int,

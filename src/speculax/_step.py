@@ -170,7 +170,7 @@ class SpeculativeStep(eqx.Module):
         if self.check_all_probs:
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
         if self.check_values:
-            draft_tokens, accept_uniforms, sample_uniforms = check_cheap_values(
+            draft_tokens = check_cheap_values(
                 draft_tokens,
                 draft_probs,
                 target_probs,
@@ -205,7 +205,9 @@ class SpeculativeStep(eqx.Module):
                 num_draft_tokens=num_draft_tokens,
             )
             if self.check_values:
-                num_accepted = check_stopping_rows(num_accepted, summary)
+                num_accepted = check_stopping_rows(
+                    num_accepted, summary.excess_block_mass
+                )
             drawn = sample_residual(summary, sample_uniforms)
         else:
             if self.check_values:
@@ -217,7 +219,9 @@ class SpeculativeStep(eqx.Module):
                     block_size=256,
                     num_draft_tokens=num_draft_tokens,
                 )
-                num_accepted = check_stopping_rows(num_accepted, summary)
+                num_accepted = check_stopping_rows(
+                    num_accepted, summary.excess_block_mass
+                )
             weights = self.residual(
                 num_accepted, draft_tokens, draft_probs, target_probs, **ragged
             )
@@ -227,7 +231,7 @@ class SpeculativeStep(eqx.Module):
 
         return {
             "num_accepted": num_accepted.astype(jnp.int32),
-            "tokens": _assemble_tokens(draft_tokens, num_accepted, drawn),
+            "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
         }
 
     def _uniforms(
@@ -274,7 +278,7 @@ def _optional_array(x: InputArray | None) -> Array | None:
     return None if x is None else jnp.asarray(x)
 
 
-def _assemble_tokens(
+def assemble_tokens(
     draft_tokens: Int[Array, "batch draft"],
     num_accepted: Int[Array, " batch"],
     drawn: Int[Array, " batch"],

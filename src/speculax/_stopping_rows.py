@@ -41,9 +41,10 @@ class RowSummary(eqx.Module):
     zeros). For valid inputs `excess_block_mass` holds the block sums of the weights
     before the zero-mass fallback: $\\max(p_n - q_n, 0)$, or $p_G$ when $n = G$. A
     negative or non-finite value in $p_n$ makes its block's entry NaN, and one in $q_n$
-    while drafting ($n < G$) makes it $+\\infty$: this is how the value checks see
-    them, at no extra pass. The block sums of $p_n$, needed only by the zero-mass
-    fallback, cost a second pass that runs only when some row needs it.
+    while drafting ($n < G$) makes it $+\\infty$: this is how the value checks
+    (`check_stopping_rows`) see them, at no extra pass. The block sums of $p_n$,
+    needed only by the zero-mass fallback, cost a second pass that runs only when
+    some row needs it.
     """
 
     excess_block_mass: Float[Array, "batch blocks"]
@@ -53,16 +54,6 @@ class RowSummary(eqx.Module):
     target_probs: Float[Array, "batch positions vocab"]
     block_size: int = eqx.field(static=True)
     per_row: bool = eqx.field(static=True)
-
-    def invalid_target_rows(self) -> Bool[Array, " batch"]:
-        """Whether $p_n$ holds a negative or non-finite value."""
-        return jnp.any(jnp.isnan(self.excess_block_mass), axis=-1)
-
-    def invalid_draft_rows(self) -> Bool[Array, " batch"]:
-        """Whether $q_n$ holds a negative or non-finite value while drafting (or the
-        weights overflow float32).
-        """
-        return jnp.any(self.excess_block_mass == jnp.inf, axis=-1)
 
     def fallback_block_mass(
         self, needed: Bool[Array, ""]
