@@ -179,28 +179,28 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     step, compile_s, temp_bytes = _timed_compile(SpeculativeStep(), *inputs)
     baseline, _, _ = _timed_compile(baseline_step, *inputs)
     floor_fn, _, _ = _timed_compile(floor, *rows)
-    candidates = {
-        "baseline": (baseline, inputs),
-        "speculax": (step, inputs),
-        "floor": (floor_fn, rows),
-    }
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    # Each function is timed in its own run of consecutive calls, after two untimed
-    # ones: right after the baseline, which streams through gigabytes of temporaries,
-    # the next function runs up to 3 times slower for a while (caches, TLB, page
-    # faults, idle worker threads), whichever function it is. Two rounds, in
-    # opposite orders, spread what remains of that effect evenly.
-    rounds = (list(candidates), list(candidates)[::-1])
-    for round_number, order in enumerate(rounds):
-        count = (repeats + 1 - round_number) // 2 or 1
-        for name in order:
-            function, args = candidates[name]
-            for _ in range(2):
-                jax.block_until_ready(function(*args))
-            for _ in range(count):
-                start = time.perf_counter()
-                jax.block_until_ready(function(*args))
-                times[name].append(1e3 * (time.perf_counter() - start))
+    times: dict[str, list[float]] = {"baseline": [], "speculax": [], "floor": []}
+
+    def timed(name: str, function: Callable, args: tuple[Array, ...]) -> None:
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times[name].append(1e3 * (time.perf_counter() - start))
+
+    # The baseline runs alone first, after two untimed calls. It streams through
+    # gigabytes of temporaries, after which any function runs up to 3 times slower for
+    # a while (caches, TLB, page faults, idle worker threads); the step and the floor
+    # are warmed up past that, then timed in alternation, call by call, so that a
+    # change in the machine's speed (a shared CPU) reaches both alike.
+    for _ in range(2):
+        jax.block_until_ready(baseline(*inputs))
+    for _ in range(repeats):
+        timed("baseline", baseline, inputs)
+    for _ in range(3):
+        jax.block_until_ready(step(*inputs))
+        jax.block_until_ready(floor_fn(*rows))
+    for _ in range(repeats):
+        timed("speculax", step, inputs)
+        timed("floor", floor_fn, rows)
     ms = {name: statistics.median(values) for name, values in times.items()}
     return {
         "size": str(size),

@@ -1,8 +1,11 @@
 """The checks of SPEC section 3: structure at trace time, values at run time."""
 
+from collections.abc import Sequence
+from typing import TypeAlias
+
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from ._acceptance import draft_token_probs
 
@@ -74,125 +77,157 @@ def _shape(x: Array | None) -> tuple[int, ...] | None:
     return None if x is None else tuple(x.shape)
 
 
-def check_cheap_values(
+# Where a value check fails (any true entry), and the message it raises.
+Failure: TypeAlias = tuple[Bool[Array, "..."], str]
+
+
+def input_failures(
     draft_tokens: Int[Array, "batch draft"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch draft+1 vocab"],
     accept_uniforms: Float[Array, "batch draft"],
     sample_uniforms: Float[Array, " batch"],
     num_draft_tokens: Int[Array, " batch"] | None,
-) -> Int[Array, "batch draft"]:
-    """Checks the tokens, the uniforms and the draft tokens' probabilities, which the
-    step reads anyway, at the draft positions in use (below `num_draft_tokens`).
-
-    **Returns:**
-
-    `draft_tokens`, tied to the checks so that the step cannot run ahead of them.
+) -> list[Failure]:
+    """The checks of the ragged lengths, the tokens, the uniforms and the draft
+    tokens' probabilities (which the step reads anyway), at the draft positions in use
+    (below `num_draft_tokens`).
     """
     batch, num_draft = draft_tokens.shape
+    failures = []
     if num_draft_tokens is None:
         in_use = jnp.ones((batch, num_draft), bool)
     else:
-        # Tied into `in_use`, and through it into the returned tokens.
-        lengths = eqx.error_if(
-            num_draft_tokens,
-            (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
-            f"num_draft_tokens must lie in [0, G] = [0, {num_draft}]; got a length "
-            "outside it",
+        failures.append(
+            (
+                (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
+                f"num_draft_tokens must lie in [0, G] = [0, {num_draft}]; got a "
+                "length outside it",
+            )
         )
-        in_use = jnp.arange(num_draft)[None, :] < lengths[:, None]
-    draft_tokens = check_tokens_and_uniforms(
-        draft_tokens, accept_uniforms, sample_uniforms, target_probs.shape[-1], in_use
-    )
+        in_use = jnp.arange(num_draft)[None, :] < num_draft_tokens[:, None]
     target_at_draft, draft_at_draft = draft_token_probs(
         draft_tokens, draft_probs, target_probs
     )
-    return check_draft_token_probs(
-        draft_tokens, target_at_draft, draft_at_draft, in_use
-    )
+    return [
+        *failures,
+        *token_and_uniform_failures(
+            draft_tokens,
+            accept_uniforms,
+            sample_uniforms,
+            target_probs.shape[-1],
+            in_use,
+        ),
+        *draft_token_prob_failures(target_at_draft, draft_at_draft, in_use),
+    ]
 
 
-def check_tokens_and_uniforms(
+def token_and_uniform_failures(
     draft_tokens: Int[Array, "batch draft"],
     accept_uniforms: Float[Array, "batch draft"],
     sample_uniforms: Float[Array, " batch"],
     vocab: int,
     in_use: Bool[Array, "batch draft"],
-) -> Int[Array, "batch draft"]:
-    """Checks that the draft tokens lie in `[0, vocab)` and the uniforms in `[0, 1)`,
-    at the positions in use.
-
-    **Returns:**
-
-    `draft_tokens`, tied to all three checks.
+) -> list[Failure]:
+    """The checks that the draft tokens lie in `[0, vocab)` and the uniforms in
+    `[0, 1)`, at the positions in use.
     """
-    draft_tokens = eqx.error_if(
-        draft_tokens,
-        in_use & ((draft_tokens < 0) | (draft_tokens >= vocab)),
-        f"draft_tokens must lie in [0, V) = [0, {vocab}); got a token outside it",
-    )
-    draft_tokens = eqx.error_if(
-        draft_tokens,
-        in_use & outside_unit_interval(accept_uniforms),
-        "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
-    )
-    return eqx.error_if(
-        draft_tokens,
-        outside_unit_interval(sample_uniforms),
-        "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
-    )
+    return [
+        (
+            in_use & ((draft_tokens < 0) | (draft_tokens >= vocab)),
+            f"draft_tokens must lie in [0, V) = [0, {vocab}); got a token outside it",
+        ),
+        (
+            in_use & outside_unit_interval(accept_uniforms),
+            "accept_uniforms must lie in [0, 1); got a value outside it or NaN",
+        ),
+        (
+            outside_unit_interval(sample_uniforms),
+            "sample_uniforms must lie in [0, 1); got a value outside it or NaN",
+        ),
+    ]
 
 
-def check_draft_token_probs(
-    draft_tokens: Int[Array, "batch draft"],
+def draft_token_prob_failures(
     target_at_draft: Float[Array, "batch draft"],
     draft_at_draft: Float[Array, "batch draft"],
     in_use: Bool[Array, "batch draft"],
-) -> Int[Array, "batch draft"]:
-    """Checks $p_i(x_i)$ and $q_i(x_i)$, as gathered, at the positions in use.
-
-    **Returns:**
-
-    `draft_tokens`, tied to the checks.
+) -> list[Failure]:
+    """The checks of $p_i(x_i)$ and $q_i(x_i)$, as gathered, at the positions in
+    use.
     """
-    draft_tokens = eqx.error_if(
-        draft_tokens,
-        in_use & not_a_probability(target_at_draft),
-        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
-        "p_i(x_i) at a draft token",
-    )
-    return eqx.error_if(
-        draft_tokens,
-        in_use & not_a_probability(draft_at_draft),
-        "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
-        "q_i(x_i) at a draft token",
-    )
+    return [
+        (
+            in_use & not_a_probability(target_at_draft),
+            "target_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite p_i(x_i) at a draft token",
+        ),
+        (
+            in_use & not_a_probability(draft_at_draft),
+            "draft_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite q_i(x_i) at a draft token",
+        ),
+    ]
 
 
-def check_stopping_rows(
-    num_accepted: Int[Array, " batch"], excess_block_mass: Float[Array, "batch blocks"]
-) -> Int[Array, " batch"]:
-    """Checks the rows $p_n$ and $q_n$ that the step draws from, through the flags in
-    the block sums of their one-pass summary (`RowSummary.excess_block_mass`: NaN
-    for a bad value in $p_n$, $+\\infty$ for one in $q_n$): nearly free when the
-    summary serves the sampling too.
-
-    **Returns:**
-
-    `num_accepted`, tied to the checks.
+def stopping_row_failures(row_mass: Float[Array, " batch"]) -> list[Failure]:
+    """The checks of the rows $p_n$ and $q_n$ that the step draws from, read from the
+    flags that their one-pass summary carries into each row's total mass
+    (`RowSummary.row_mass`: NaN for a bad value in $p_n$, $+\\infty$ for one in
+    $q_n$): nearly free when the summary serves the sampling too.
     """
-    num_accepted = eqx.error_if(
-        num_accepted,
-        jnp.any(jnp.isnan(excess_block_mass), axis=-1),
-        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
-        "value in the row p_n at the stopping position n = num_accepted",
+    return [
+        (
+            jnp.isnan(row_mass),
+            "target_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite value in the row p_n at the stopping position n = num_accepted",
+        ),
+        (
+            row_mass == jnp.inf,
+            "draft_probs must be finite and non-negative; got a negative, NaN or "
+            "infinite value in the row q_n at the stopping position n = num_accepted",
+        ),
+    ]
+
+
+def sampled_failure(token: Int[Array, " batch"], vocab: int) -> Failure:
+    """The check that the sampler found a token, which fails only when the weights at
+    the stopping position have no positive mass.
+    """
+    return (
+        (token < 0) | (token >= vocab),
+        "no token can be drawn: the residual at the stopping position n has no "
+        "positive mass, even after falling back to target_probs[b, n], which has no "
+        "positive entry",
     )
-    return eqx.error_if(
-        num_accepted,
-        jnp.any(excess_block_mass == jnp.inf, axis=-1),
-        "draft_probs must be finite and non-negative; got a negative, NaN or "
-        "infinite value in the row q_n at the stopping position n = num_accepted",
-    )
+
+
+def raise_first_failure(x: PyTree, failures: Sequence[Failure]) -> PyTree:
+    """Ties `x` to all the checks at once: one Equinox runtime error (a
+    `RuntimeError`), whose message is that of the first failing check in the order
+    given, so that a cause is reported before its consequences (a NaN in $p_n$
+    before the empty residual it leads to).
+
+    One branched error rather than one per check: each Equinox error is a
+    conditional in the compiled program, and a dozen of them cost more, to compile
+    and to run, than the checks themselves.
+    """
+    if not failures:
+        return x
+    # Check k (counting from 0) is reported as code len - k, so that the largest
+    # failing code is the first failing check, and code 0 means no failure; Equinox
+    # also takes the largest index across a vmapped batch, so the same order holds
+    # under vmap. The checks are merged elementwise into one code per batch row, and
+    # the rows reduced once: a reduction per check would be a dozen small kernels,
+    # each compiled separately.
+    row_code = jnp.zeros((), jnp.int32)
+    for k, (where, _) in enumerate(failures):
+        code = jnp.where(where, len(failures) - k, 0)
+        code = jnp.max(code, axis=tuple(range(1, code.ndim)), initial=0)
+        row_code = jnp.maximum(row_code, code)
+    code = jnp.max(row_code, initial=0)
+    messages = ["", *(message for _, message in reversed(failures))]
+    return eqx.branched_error_if(x, code > 0, code, messages)
 
 
 def check_all_probs(
@@ -218,19 +253,6 @@ def check_all_probs(
         "value",
     )
     return draft_probs, target_probs
-
-
-def check_sampled(token: Int[Array, " batch"], vocab: int) -> Int[Array, " batch"]:
-    """Checks that the sampler found a token, which fails only when the weights at the
-    stopping position have no positive mass.
-    """
-    return eqx.error_if(
-        token,
-        (token < 0) | (token >= vocab),
-        "no token can be drawn: the residual at the stopping position n has no "
-        "positive mass, even after falling back to target_probs[b, n], which has no "
-        "positive entry",
-    )
 
 
 def outside_unit_interval(u: Float[Array, "*shape"]) -> Array:

@@ -38,5 +38,10 @@ class PrefixCount(AbstractPrefixCount):
 
         An int32 array of shape `(batch,)`: the number of leading `True` per row.
         """
-        still_accepting = jnp.cumprod(passed.astype(jnp.int32), axis=-1)
-        return jnp.sum(still_accepting, axis=-1, dtype=jnp.int32)
+        # The first failing position, or `draft` where none fails: one reduction
+        # where a cumulative product would take a scan.
+        num_draft = passed.shape[-1]
+        position = jnp.arange(num_draft, dtype=jnp.int32)
+        return jnp.min(
+            jnp.where(passed, num_draft, position), axis=-1, initial=num_draft
+        )

@@ -2,12 +2,11 @@ import abc
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._numerics import upcast
-from ._stopping_rows import RowSummary, block_excess_rows
+from ._stopping_rows import RowSummary, block_weights
 
 
 class AbstractSampler(eqx.Module):
@@ -144,16 +143,16 @@ def sample_residual(
     same computation as the two pieces in turn, up to the order of the additions
     inside a block.
     """
-    has_mass = jnp.any(summary.excess_block_mass > 0, axis=-1)
-    fallback = summary.fallback_block_mass(~jnp.all(has_mass))
-    block_mass = jnp.where(has_mass[:, None], summary.excess_block_mass, fallback)
     block_index, before_block, threshold, total = find_block(
-        block_mass, sample_uniforms
+        summary.excess_block_mass, sample_uniforms
     )
-    excess, target = block_excess_rows(summary, block_index)
-    chosen = jnp.where(has_mass[:, None], excess, target)
     return find_token(
-        chosen, block_index, summary.block_size, before_block, threshold, total
+        block_weights(summary, block_index),
+        block_index,
+        summary.block_size,
+        before_block,
+        threshold,
+        total,
     )
 
 
@@ -168,10 +167,13 @@ def find_block(
     """The block where the cumulative weight first exceeds $s \\sum w$, with the
     cumulative weight before it, the threshold and the total.
     """
-    through_block = jax.lax.associative_scan(jnp.add, block_mass, axis=-1)
+    through_block = jnp.cumsum(block_mass, axis=-1)
     total = through_block[:, -1]
     threshold = (sample_uniforms.astype(block_mass.dtype) * total)[:, None]
-    block_index = _first_crossing(through_block > threshold, block_mass > 0)
+    # Clamped for the gathers below; with no positive block the token is -1 anyway.
+    block_index = jnp.maximum(
+        _first_crossing(through_block > threshold, block_mass > 0), 0
+    )
     before_block = jnp.take_along_axis(
         through_block, jnp.maximum(block_index - 1, 0)[:, None], axis=1
     )
@@ -198,9 +200,13 @@ def _first_crossing(
     crossed: Bool[Array, "batch n"], positive: Bool[Array, "batch n"]
 ) -> Int[Array, " batch"]:
     """The first index that is both crossed and positive; where there is none (the
-    threshold was not reached, by rounding), the last positive index.
+    threshold was not reached, by rounding), the last positive index; `-1` where no
+    index is positive.
     """
-    hit = crossed & positive
-    first_hit = jnp.argmax(hit, axis=-1)
-    last_positive = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
-    return jnp.where(jnp.any(hit, axis=-1), first_hit, last_positive).astype(jnp.int32)
+    # One reduction over a score that ranks every crossed positive index above every
+    # other positive one, earlier crossings higher and later positives higher.
+    n = crossed.shape[-1]
+    index = jnp.arange(n)
+    score = jnp.where(positive, jnp.where(crossed, 2 * n - index, index + 1), 0)
+    best = jnp.max(score, axis=-1, initial=0)
+    return jnp.where(best > n, 2 * n - best, best - 1).astype(jnp.int32)

@@ -14,17 +14,18 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._acceptance import RatioAcceptance, draft_token_probs
 from ._checks import (
-    check_draft_token_probs,
-    check_sampled,
-    check_stopping_rows,
     check_structure,
-    check_tokens_and_uniforms,
+    draft_token_prob_failures,
+    raise_first_failure,
+    sampled_failure,
+    stopping_row_failures,
+    token_and_uniform_failures,
 )
 from ._prefix import PrefixCount
 from ._residual import Residual
 from ._sampling import InverseCDF, find_block, find_token
 from ._step import SpeculativeStep, StepOutput, assemble_tokens
-from ._stopping_rows import block_excess_rows, stopping_row_summary
+from ._stopping_rows import block_weights, stopping_row_summary
 
 
 def sharded_step(
@@ -207,59 +208,54 @@ def _vocab_sharded(
         # summary of the single-device step. A share that is a multiple of 256 makes
         # the same blocks, summed in the same order, as on one device.
         summary = stopping_row_summary(
-            num_accepted, draft_probs, target_probs, block_size=256
+            num_accepted,
+            draft_probs,
+            target_probs,
+            block_size=256,
+            vocab_axis=vocab_axis,
         )
         local_blocks = summary.excess_block_mass.shape[-1]
-        excess = jax.lax.all_gather(
+        block_mass = jax.lax.all_gather(
             summary.excess_block_mass, vocab_axis, axis=1, tiled=True
         )
-        has_mass = jnp.any(excess > 0, axis=-1)
-        # The fallback to p_n costs a second pass and a second gather, only when some
-        # row needs it; every device of a vocabulary group sees the same `needed`.
-        needed = ~jnp.all(has_mass)
-        fallback = jax.lax.cond(
-            needed,
-            lambda: jax.lax.all_gather(
-                summary.fallback_block_mass(jnp.array(True)),
-                vocab_axis,
-                axis=1,
-                tiled=True,
-            ),
-            lambda: jnp.zeros_like(excess),
-        )
-        block_mass = jnp.where(has_mass[:, None], excess, fallback)
-        # (4) Every device runs the same tree prefix sum over the same block sums, so
+        # (4) Every device runs the same prefix sum over the same block sums, so
         # they agree on the block; its owner searches inside it.
         block_index, before_block, threshold, total = find_block(
             block_mass, sample_uniforms
         )
         owner = block_index // local_blocks
         local_block = block_index - owner * local_blocks
-        block_excess, block_target = block_excess_rows(summary, local_block)
-        chosen = jnp.where(has_mass[:, None], block_excess, block_target)
         token = find_token(
-            chosen, local_block, summary.block_size, before_block, threshold, total
+            block_weights(summary, local_block),
+            local_block,
+            summary.block_size,
+            before_block,
+            threshold,
+            total,
         )
         token = jnp.where(token >= 0, token + offset, token)
         mine = owner == jax.lax.axis_index(vocab_axis)
         drawn = jax.lax.pmax(jnp.where(mine, token, -1), vocab_axis)
+        outputs = (
+            num_accepted.astype(jnp.int32),
+            assemble_tokens(draft_tokens, num_accepted, drawn),
+        )
         if step.check_values:
             # Inside the shard_map and after the last collective, on values every
             # device of a vocabulary group shares: all raise the same error, and no
             # device is left waiting in a collective for one that raised.
             in_use = jnp.ones(draft_tokens.shape, bool)
             vocab = shard_vocab * jax.lax.axis_size(vocab_axis)
-            draft_tokens = check_tokens_and_uniforms(
-                draft_tokens, accept_uniforms, sample_uniforms, vocab, in_use
-            )
-            draft_tokens = check_draft_token_probs(
-                draft_tokens, target_at, draft_at, in_use
-            )
-            num_accepted = check_stopping_rows(num_accepted, excess)
-            drawn = check_sampled(drawn, vocab)
-        return num_accepted.astype(jnp.int32), assemble_tokens(
-            draft_tokens, num_accepted, drawn
-        )
+            failures = [
+                *token_and_uniform_failures(
+                    draft_tokens, accept_uniforms, sample_uniforms, vocab, in_use
+                ),
+                *draft_token_prob_failures(target_at, draft_at, in_use),
+                *stopping_row_failures(summary.row_mass),
+                sampled_failure(drawn, vocab),
+            ]
+            outputs = raise_first_failure(outputs, failures)
+        return outputs
 
     mapped = jax.shard_map(
         local,

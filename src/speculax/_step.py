@@ -9,10 +9,11 @@ from jaxtyping import Array, ArrayLike, Int
 from ._acceptance import AbstractAcceptance, GreedyAcceptance, RatioAcceptance
 from ._checks import (
     check_all_probs,
-    check_cheap_values,
-    check_sampled,
-    check_stopping_rows,
     check_structure,
+    input_failures,
+    raise_first_failure,
+    sampled_failure,
+    stopping_row_failures,
 )
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._random import KeyArray, uniforms
@@ -169,8 +170,9 @@ class SpeculativeStep(eqx.Module):
         )
         if self.check_all_probs:
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
+        failures = []
         if self.check_values:
-            draft_tokens = check_cheap_values(
+            failures += input_failures(
                 draft_tokens,
                 draft_probs,
                 target_probs,
@@ -205,9 +207,7 @@ class SpeculativeStep(eqx.Module):
                 num_draft_tokens=num_draft_tokens,
             )
             if self.check_values:
-                num_accepted = check_stopping_rows(
-                    num_accepted, summary.excess_block_mass
-                )
+                failures += stopping_row_failures(summary.row_mass)
             drawn = sample_residual(summary, sample_uniforms)
         else:
             if self.check_values:
@@ -219,20 +219,19 @@ class SpeculativeStep(eqx.Module):
                     block_size=256,
                     num_draft_tokens=num_draft_tokens,
                 )
-                num_accepted = check_stopping_rows(
-                    num_accepted, summary.excess_block_mass
-                )
+                failures += stopping_row_failures(summary.row_mass)
             weights = self.residual(
                 num_accepted, draft_tokens, draft_probs, target_probs, **ragged
             )
             drawn = self.sampler(weights, sample_uniforms)
-        if self.check_values:
-            drawn = check_sampled(drawn, target_probs.shape[-1])
-
-        return {
+        output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
             "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
         }
+        if self.check_values:
+            failures.append(sampled_failure(drawn, target_probs.shape[-1]))
+            output = raise_first_failure(output, failures)
+        return output
 
     def _uniforms(
         self,

@@ -37,43 +37,25 @@ def stopping_rows(
 class RowSummary(eqx.Module):
     """What one pass over the rows $p_n$ and $q_n$ of every batch element yields.
 
-    Blocks are consecutive runs of `block_size` tokens (the last one padded with
-    zeros). For valid inputs `excess_block_mass` holds the block sums of the weights
-    before the zero-mass fallback: $\\max(p_n - q_n, 0)$, or $p_G$ when $n = G$. A
-    negative or non-finite value in $p_n$ makes its block's entry NaN, and one in $q_n$
-    while drafting ($n < G$) makes it $+\\infty$: this is how the value checks
-    (`check_stopping_rows`) see them, at no extra pass. The block sums of $p_n$,
-    needed only by the zero-mass fallback, cost a second pass that runs only when
-    some row needs it.
+    Blocks are consecutive runs of `block_size` tokens (the last one shorter when
+    `block_size` does not divide the vocabulary). For valid inputs
+    `excess_block_mass` holds the block sums of the weights the step draws from:
+    $\\max(p_n - q_n, 0)$ where `subtracting`, else $p_n$ (when $n = G$, for
+    deterministic drafts, and for a row whose residual has no mass, SPEC's
+    fallback). A negative or non-finite value in $p_n$ makes its block's entry NaN,
+    and one in $q_n$ while subtracting makes it $+\\infty$: this is how the value
+    checks (`stopping_row_failures`) see them, at no extra pass, in `row_mass`, the
+    sum of a row's blocks (over the whole vocabulary under vocabulary sharding): NaN
+    when some block is, else $+\\infty$ when some block is.
     """
 
     excess_block_mass: Float[Array, "batch blocks"]
+    row_mass: Float[Array, " batch"]
     num_accepted: Int[Array, " batch"]
-    drafting: Bool[Array, " batch"]
+    subtracting: Bool[Array, " batch"]
     draft_probs: Float[Array, "batch draft vocab"] | None
     target_probs: Float[Array, "batch positions vocab"]
     block_size: int = eqx.field(static=True)
-    per_row: bool = eqx.field(static=True)
-
-    def fallback_block_mass(
-        self, needed: Bool[Array, ""]
-    ) -> Float[Array, "batch blocks"]:
-        """The block sums of $p_n$ when `needed`, zeros otherwise (without reading the
-        rows).
-        """
-        return jax.lax.cond(
-            needed,
-            lambda: _row_block_sums(
-                self.num_accepted,
-                self.drafting,
-                self.draft_probs,
-                self.target_probs,
-                self.block_size,
-                self.per_row,
-                weights=False,
-            ),
-            lambda: jnp.zeros_like(self.excess_block_mass),
-        )
 
 
 def stopping_row_summary(
@@ -84,13 +66,16 @@ def stopping_row_summary(
     block_size: int,
     num_draft_tokens: Int[Array, " batch"] | None = None,
     per_row: bool | None = None,
+    vocab_axis: str | None = None,
 ) -> RowSummary:
-    """The block sums of $\\max(p_n - q_n, 0)$ (or $p_G$ when $n = G$) and of $p_n$, in
-    one pass over the two rows, reading nothing else.
+    """The block sums of the weights the step draws from, $\\max(p_n - q_n, 0)$ or
+    $p_n$, in one pass over the two rows, reading nothing else.
 
     The step computes it once and hands it to the value checks and, for the default
     residual and sampler, to the sampling, so that the two rows are read once between
-    them.
+    them. A row whose residual turns out to have no mass (possible only through
+    rounding or unnormalised inputs) is summed again as $p_n$, in a second pass of
+    the same loop that runs only when some row needs it.
 
     **Arguments:**
 
@@ -106,6 +91,8 @@ def stopping_row_summary(
         `jax.default_backend()`. Half-precision inputs always take the gather: XLA
         CPU converts a whole half-precision array to float32 before slicing it
         inside a loop, an extra pass and a temporary twice the array's size.
+    - `vocab_axis`: inside `shard_map`, the mesh axis the vocabulary is split over:
+        whether a row has mass is then decided over the whole row.
 
     **Returns:**
 
@@ -117,28 +104,52 @@ def stopping_row_summary(
         per_row = False
     num_draft = target_probs.shape[1] - 1
     limit = num_draft if num_draft_tokens is None else num_draft_tokens
-    drafting = (num_accepted < limit) & (draft_probs is not None)
     block_size = min(block_size, target_probs.shape[-1])
-    excess = _row_block_sums(
+
+    def summarise(subtracting):
+        return _row_block_sums(
+            num_accepted, subtracting, draft_probs, target_probs, block_size, per_row
+        )
+
+    def next_pass(state):
+        subtracting = state[0]
+        block_mass = summarise(subtracting)
+        row_mass = jnp.sum(block_mass, axis=-1)
+        if vocab_axis is not None:
+            row_mass = jax.lax.psum(row_mass, vocab_axis)
+        fallback = subtracting & ~(row_mass > 0)
+        return subtracting & ~fallback, block_mass, row_mass, jnp.any(fallback)
+
+    # One loop with at most two passes, rather than a first pass and a conditional
+    # second: the row pass is then compiled once.
+    subtracting = (num_accepted < limit) & (draft_probs is not None)
+    block_mass = jax.eval_shape(summarise, subtracting)
+    initial = (
+        subtracting,
+        jnp.zeros(block_mass.shape, block_mass.dtype),
+        jnp.zeros(block_mass.shape[:1], block_mass.dtype),
+        jnp.array(True),
+    )
+    subtracting, block_mass, row_mass, _ = jax.lax.while_loop(
+        lambda state: state[-1], next_pass, initial
+    )
+    return RowSummary(
+        block_mass,
+        row_mass,
         num_accepted,
-        drafting,
+        subtracting,
         draft_probs,
         target_probs,
         block_size,
-        per_row,
-        weights=True,
-    )
-    return RowSummary(
-        excess, num_accepted, drafting, draft_probs, target_probs, block_size, per_row
     )
 
 
-def block_excess_rows(
+def block_weights(
     summary: RowSummary, block_index: Int[Array, " batch"]
-) -> tuple[Float[Array, "batch block"], Float[Array, "batch block"]]:
-    """The weights $\\max(p_n - q_n, 0)$ (or $p_n$ where not drafting) and $p_n$ inside
-    one block per batch element, upcast, zero beyond the vocabulary: $2 \\cdot$
-    `block_size` reads per element.
+) -> Float[Array, "batch block"]:
+    """The weights inside one block per batch element, $\\max(p_n - q_n, 0)$ where
+    the summary is subtracting and $p_n$ elsewhere, upcast, zero beyond the
+    vocabulary: $2 \\cdot$ `block_size` reads per element.
     """
     num_accepted, draft_probs, target_probs = (
         summary.num_accepted,
@@ -153,28 +164,25 @@ def block_excess_rows(
     inside = token < vocab
     token = jnp.minimum(token, vocab - 1)
     stop = num_accepted[:, None]
-    target = upcast(target_probs[rows, stop, token])
-    target = jnp.where(inside, target, 0)
-    if draft_probs is None or num_draft == 0:
-        return target, target
-    draft = upcast(draft_probs[rows, jnp.minimum(stop, num_draft - 1), token])
-    drafting = summary.drafting[:, None]
-    excess = jnp.where(drafting, jnp.maximum(target - draft, 0), target)
-    return jnp.where(inside, excess, 0), target
+    weights = upcast(target_probs[rows, stop, token])
+    if draft_probs is not None and num_draft > 0:
+        draft = upcast(draft_probs[rows, jnp.minimum(stop, num_draft - 1), token])
+        weights = jnp.where(
+            summary.subtracting[:, None], jnp.maximum(weights - draft, 0), weights
+        )
+    return jnp.where(inside, weights, 0)
 
 
 def _row_block_sums(
     num_accepted: Int[Array, " batch"],
-    drafting: Bool[Array, " batch"],
+    subtracting: Bool[Array, " batch"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch positions vocab"],
     block_size: int,
     per_row: bool,
-    *,
-    weights: bool,
 ) -> Float[Array, "batch blocks"]:
-    """Block sums of the flagged weights (`weights=True`, see `RowSummary`) or of
-    $p_n$ (`weights=False`), by a loop over the batch or a batched gather.
+    """Block sums of the flagged weights (see `RowSummary`), by a loop over the
+    batch or a batched gather.
 
     Everything a row needs is one elementwise fusion feeding one reduction, so that
     XLA reads each of the two rows once.
@@ -184,18 +192,14 @@ def _row_block_sums(
     num_blocks = -(-vocab // block_size)
     num_full = vocab // block_size
 
-    def block_sums(target_row, draft_row, drafting):
-        # Works on (..., vocab) rows; `drafting` broadcasts against them.
-        target_row = upcast(target_row)
-        if not weights:
-            x = target_row
-        else:
-            x = target_row
-            if draft_row is not None:
-                draft_row = upcast(draft_row)
-                x = jnp.where(drafting, jnp.maximum(target_row - draft_row, 0), x)
-                x = jnp.where(drafting & _invalid(draft_row), jnp.inf, x)
-            x = jnp.where(_invalid(target_row), jnp.nan, x)
+    def block_sums(target_row, draft_row, subtracting):
+        # Works on (..., vocab) rows; `subtracting` broadcasts against them.
+        x = upcast(target_row)
+        if draft_row is not None:
+            draft_row = upcast(draft_row)
+            x = jnp.where(subtracting, jnp.maximum(x - draft_row, 0), x)
+            x = jnp.where(subtracting & _invalid(draft_row), jnp.inf, x)
+        x = jnp.where(_invalid(target_row), jnp.nan, x)
         # The full blocks and the partial last one apart: padding to whole blocks
         # would make XLA CPU take a reduction ten times slower.
         full = x[..., : num_full * block_size]
@@ -213,18 +217,16 @@ def _row_block_sums(
             zero = jnp.zeros((), jnp.int32)
             stop = num_accepted[b].astype(jnp.int32)
             target_row = _slice_row(target_probs, b, stop, zero)
-            if draft_probs is None or num_draft == 0 or not weights:
+            if draft_probs is None or num_draft == 0:
                 return block_sums(target_row, None, None)
             draft_row = _slice_row(
                 draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
             )
-            return block_sums(target_row, draft_row, drafting[b])
+            return block_sums(target_row, draft_row, subtracting[b])
 
         return jax.lax.map(one_row, jnp.arange(batch, dtype=jnp.int32))
     target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
-    if not weights:
-        draft_row = None
-    return block_sums(target_row, draft_row, drafting[:, None])
+    return block_sums(target_row, draft_row, subtracting[:, None])
 
 
 def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:
