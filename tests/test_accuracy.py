@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import speculax
+from inputs import LARGEST_BELOW_ONE
 from speculax import _stopping_rows
 from speculax._bench import Size, make_inputs
 
@@ -172,3 +173,32 @@ def test_realistic_batch_at_128256(row_access):
         r = _residual64(n, draft_probs[b], target_probs[b])
         assert _judge_token(r, float(sample[b]), int(tokens[b, n])) is None, b
         assert (tokens[b, n + 1 :] == -1).all()
+
+
+def test_zero_mass_residual_falls_back_to_p_n(row_access):
+    # Rows 0 and 2 reject a draft whose (unnormalised) q_0 is 2 p_0, so
+    # max(p_0 - q_0, 0) is zero everywhere and y must come from p_0 itself; rows 1
+    # and 3 keep their residual, inside the same batch.
+    size = Size(4, 2, 3000)
+    draft_tokens, draft_probs, target_probs, _, sample = make_inputs(size, seed=3)
+    no_residual = np.array([True, False, True, False])
+    draft_probs = jnp.where(
+        no_residual[:, None, None], 2 * target_probs[:, :2], draft_probs
+    )
+    reject = jnp.full((size.batch, size.num_draft), LARGEST_BELOW_ONE, jnp.float32)
+    out = jax.jit(speculax.SpeculativeStep())(
+        draft_tokens, draft_probs, target_probs, reject, sample
+    )
+    tokens = np.asarray(out["tokens"])
+    num_accepted = np.asarray(out["num_accepted"])
+    assert (num_accepted[no_residual] == 0).all()
+    for b in range(size.batch):
+        n = int(num_accepted[b])
+        r = _residual64(n, np.asarray(draft_probs[b]), np.asarray(target_probs[b]))
+        if no_residual[b]:
+            p, q = (
+                np.asarray(x[b, 0], np.float64) for x in (target_probs, draft_probs)
+            )
+            assert (np.maximum(p - q, 0) == 0).all()
+            np.testing.assert_allclose(r, p / p.sum())
+        assert _judge_token(r, float(sample[b]), int(tokens[b, n])) is None, b

@@ -84,6 +84,25 @@ def test_default_step_materialises_no_batch_by_vocab_array(check_values):
     assert temp < size.batch * size.vocab * 4 / 4
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_memory_target_at_the_issue_size(dtype):
+    # Issue 4's bound at its size, 2 B V float32 numbers plus 1 MiB, compiled from
+    # shapes alone. Half-precision rows are gathered and upcast in one fused pass;
+    # sliced inside a loop, XLA CPU would convert whole (B, G + 1, V) arrays.
+    batch, num_draft, vocab = 64, 5, 128256
+    shapes = (
+        jax.ShapeDtypeStruct((batch, num_draft), jnp.int32),
+        jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype),
+        jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
+        jax.ShapeDtypeStruct((batch, num_draft), jnp.float32),
+        jax.ShapeDtypeStruct((batch,), jnp.float32),
+    )
+    compiled = jax.jit(speculax.SpeculativeStep()).lower(*shapes).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 2 * batch * vocab * 4 + 2**20
+
+
 def test_custom_sampler_gets_the_residual_weights():
     # The cooperation of the default pair must not change what a custom sampler sees.
     class Recording(speculax.AbstractSampler):

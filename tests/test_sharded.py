@@ -54,9 +54,9 @@ def test_no_vocabulary_sized_collective(result, mesh):
 
 @pytest.mark.parametrize("mesh", ["1x8", "2x4", "4x2", "vocab8"])
 def test_vocab_sharding_communicates(result, mesh):
-    # The psum of p_i(x_i), q_i(x_i), the all_gathers of the block sums (the second
-    # one inside the fallback's cond) and the pmax of the token: proof that the
-    # parser sees the collectives it is meant to bound.
+    # The psums of p_i(x_i), q_i(x_i) and of the row masses, the all_gather of the
+    # block sums and the pmax of the token: proof that the parser sees the
+    # collectives it is meant to bound.
     assert result[mesh]["collectives"] >= 3
 
 

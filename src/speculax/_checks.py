@@ -225,7 +225,9 @@ def raise_first_failure(x: PyTree, failures: Sequence[Failure]) -> PyTree:
         code = jnp.where(where, len(failures) - k, 0)
         code = jnp.max(code, axis=tuple(range(1, code.ndim)), initial=0)
         row_code = jnp.maximum(row_code, code)
-    code = jnp.max(row_code, initial=0)
+    if row_code.size == 0:
+        return x
+    code = jnp.max(row_code)
     messages = ["", *(message for _, message in reversed(failures))]
     return eqx.branched_error_if(x, code > 0, code, messages)
 

@@ -111,28 +111,48 @@ def stopping_row_summary(
             num_accepted, subtracting, draft_probs, target_probs, block_size, per_row
         )
 
-    def next_pass(state):
-        subtracting = state[0]
+    def summarise_with_mass(subtracting):
         block_mass = summarise(subtracting)
-        row_mass = jnp.sum(block_mass, axis=-1)
+        # The barrier keeps XLA from merging this sum with the block sums into one
+        # reduction over the rows, which would read them a second time.
+        row_mass = jnp.sum(jax.lax.optimization_barrier(block_mass), axis=-1)
         if vocab_axis is not None:
             row_mass = jax.lax.psum(row_mass, vocab_axis)
-        fallback = subtracting & ~(row_mass > 0)
-        return subtracting & ~fallback, block_mass, row_mass, jnp.any(fallback)
+        return block_mass, row_mass
 
-    # One loop with at most two passes, rather than a first pass and a conditional
-    # second: the row pass is then compiled once.
+    def next_pass(subtracting, block_mass, row_mass):
+        # Rows whose residual has no mass fall back to p_n: summed again.
+        fallback = subtracting & ~(row_mass > 0)
+        return subtracting & ~fallback, jnp.any(fallback)
+
     subtracting = (num_accepted < limit) & (draft_probs is not None)
-    block_mass = jax.eval_shape(summarise, subtracting)
-    initial = (
-        subtracting,
-        jnp.zeros(block_mass.shape, block_mass.dtype),
-        jnp.zeros(block_mass.shape[:1], block_mass.dtype),
-        jnp.array(True),
-    )
-    subtracting, block_mass, row_mass, _ = jax.lax.while_loop(
-        lambda state: state[-1], next_pass, initial
-    )
+    if per_row:
+        # A loop of at most two passes, so that the row loop is compiled once.
+        def loop_body(state):
+            subtracting, _, _, _ = state
+            block_mass, row_mass = summarise_with_mass(subtracting)
+            subtracting, again = next_pass(subtracting, block_mass, row_mass)
+            return subtracting, block_mass, row_mass, again
+
+        shape = jax.eval_shape(summarise_with_mass, subtracting)
+        initial = (
+            subtracting,
+            *(jnp.zeros(x.shape, x.dtype) for x in shape),
+            jnp.array(True),
+        )
+        subtracting, block_mass, row_mass, _ = jax.lax.while_loop(
+            lambda state: state[-1], loop_body, initial
+        )
+    else:
+        # A conditional second pass: inside a loop XLA CPU would convert a whole
+        # half-precision array to float32 on every pass.
+        block_mass, row_mass = summarise_with_mass(subtracting)
+        subtracting, again = next_pass(subtracting, block_mass, row_mass)
+        block_mass, row_mass = jax.lax.cond(
+            again,
+            lambda: summarise_with_mass(subtracting),
+            lambda: (block_mass, row_mass),
+        )
     return RowSummary(
         block_mass,
         row_mass,
