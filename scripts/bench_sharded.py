@@ -80,7 +80,7 @@ def main() -> None:
 
         gather = best_of(gathered, args.repeats)
         batch, blocks = args.batch, -(-args.vocab // 256)
-        exchanged = 0 if vocab == 1 else 4 * batch * (2 * args.draft + blocks + 1)
+        exchanged = 0 if vocab == 1 else 4 * batch * (2 * args.draft + blocks + 2)
         moved = sum(x.nbytes for x in host) * (1 - 1 / (data * vocab)) / 1e6
         print(
             f"| ({data}, {vocab}) | {sharded * 1e3:.2f} ms | {exchanged / 1e3:.1f} "

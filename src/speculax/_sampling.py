@@ -45,12 +45,12 @@ class InverseCDF(AbstractSampler):
 
     Computed as the smallest $v$ whose unnormalised cumulative weight exceeds
     $s \\sum w$, without a cumulative sum over the whole vocabulary: the weights are
-    summed in blocks of `block_size`, a tree-shaped prefix sum over the block sums
-    finds the block where the threshold is crossed, and a short cumulative sum inside
-    that one block finds the token. Every partial sum covers at most `block_size`
-    entries or is tree-shaped, so the float32 cumulative sums stay within about
-    $10^{-7}$ of the exact ones even at a vocabulary of 262144, where a sequential
-    running sum would drift by $10^{-5}$.
+    summed in blocks of `block_size`, a cumulative sum over the block sums (a few
+    hundred of them) finds the block where the threshold is crossed, and a short
+    cumulative sum inside that one block finds the token. No sum runs over more than
+    a few hundred terms (and XLA splits these short cumulative sums further), so the
+    float32 cumulative sums stay within about $10^{-7}$ of the exact ones even at a
+    vocabulary of 262144, where a sequential running sum would drift by $10^{-5}$.
 
     Two rules make the answer well defined under rounding: $y$ always has $w(y) > 0$
     (a token of zero probability is never emitted), and when rounding leaves no $v$
@@ -144,7 +144,7 @@ def sample_residual(
     inside a block.
     """
     block_index, before_block, threshold, total = find_block(
-        summary.excess_block_mass, sample_uniforms
+        summary.block_mass, sample_uniforms
     )
     return find_token(
         block_weights(summary, block_index),

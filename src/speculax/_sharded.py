@@ -214,9 +214,9 @@ def _vocab_sharded(
             block_size=256,
             vocab_axis=vocab_axis,
         )
-        local_blocks = summary.excess_block_mass.shape[-1]
+        local_blocks = summary.block_mass.shape[-1]
         block_mass = jax.lax.all_gather(
-            summary.excess_block_mass, vocab_axis, axis=1, tiled=True
+            summary.block_mass, vocab_axis, axis=1, tiled=True
         )
         # (4) Every device runs the same prefix sum over the same block sums, so
         # they agree on the block; its owner searches inside it.

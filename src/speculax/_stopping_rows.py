@@ -39,7 +39,7 @@ class RowSummary(eqx.Module):
 
     Blocks are consecutive runs of `block_size` tokens (the last one shorter when
     `block_size` does not divide the vocabulary). For valid inputs
-    `excess_block_mass` holds the block sums of the weights the step draws from:
+    `block_mass` holds the block sums of the weights the step draws from:
     $\\max(p_n - q_n, 0)$ where `subtracting`, else $p_n$ (when $n = G$, for
     deterministic drafts, and for a row whose residual has no mass, SPEC's
     fallback). A negative or non-finite value in $p_n$ makes its block's entry NaN,
@@ -49,7 +49,7 @@ class RowSummary(eqx.Module):
     when some block is, else $+\\infty$ when some block is.
     """
 
-    excess_block_mass: Float[Array, "batch blocks"]
+    block_mass: Float[Array, "batch blocks"]
     row_mass: Float[Array, " batch"]
     num_accepted: Int[Array, " batch"]
     subtracting: Bool[Array, " batch"]
@@ -74,8 +74,8 @@ def stopping_row_summary(
     The step computes it once and hands it to the value checks and, for the default
     residual and sampler, to the sampling, so that the two rows are read once between
     them. A row whose residual turns out to have no mass (possible only through
-    rounding or unnormalised inputs) is summed again as $p_n$, in a second pass of
-    the same loop that runs only when some row needs it.
+    rounding or unnormalised inputs) is summed again as $p_n$, in a second pass that
+    runs only when some row needs it.
 
     **Arguments:**
 
@@ -120,8 +120,9 @@ def stopping_row_summary(
             row_mass = jax.lax.psum(row_mass, vocab_axis)
         return block_mass, row_mass
 
-    def next_pass(subtracting, block_mass, row_mass):
-        # Rows whose residual has no mass fall back to p_n: summed again.
+    def fall_back(subtracting, row_mass):
+        # Rows whose residual has no mass stop subtracting (SPEC's fallback to p_n);
+        # if there are any, the rows are summed again.
         fallback = subtracting & ~(row_mass > 0)
         return subtracting & ~fallback, jnp.any(fallback)
 
@@ -131,7 +132,7 @@ def stopping_row_summary(
         def loop_body(state):
             subtracting, _, _, _ = state
             block_mass, row_mass = summarise_with_mass(subtracting)
-            subtracting, again = next_pass(subtracting, block_mass, row_mass)
+            subtracting, again = fall_back(subtracting, row_mass)
             return subtracting, block_mass, row_mass, again
 
         shape = jax.eval_shape(summarise_with_mass, subtracting)
@@ -147,7 +148,7 @@ def stopping_row_summary(
         # A conditional second pass: inside a loop XLA CPU would convert a whole
         # half-precision array to float32 on every pass.
         block_mass, row_mass = summarise_with_mass(subtracting)
-        subtracting, again = next_pass(subtracting, block_mass, row_mass)
+        subtracting, again = fall_back(subtracting, row_mass)
         block_mass, row_mass = jax.lax.cond(
             again,
             lambda: summarise_with_mass(subtracting),
