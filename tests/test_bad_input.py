@@ -443,3 +443,28 @@ def test_structure_errors_need_no_runtime_type_checker():
         jax.jit(speculax.SpeculativeStep())(**_inputs(case))
     with pytest.raises(ValueError, match=case.match):
         speculax.speculative_step(**_inputs(case))
+
+
+@pytest.mark.parametrize("mode", ["one batch", "vmap"])
+def test_the_first_failing_check_is_reported(mode):
+    """Every check runs, and the one reported is the first in the order of SPEC 3's
+    table (a token before a uniform), whichever row or vmapped example fails it."""
+    import speculax
+
+    bad_uniform = random_inputs(11, BATCH, DRAFT, VOCAB)
+    bad_uniform["accept_uniforms"][0, 0] = np.nan
+    bad_token = random_inputs(11, BATCH, DRAFT, VOCAB)
+    bad_token["draft_tokens"][1, 0] = VOCAB
+    step = speculax.SpeculativeStep()
+    if mode == "one batch":
+        both = {name: value.copy() for name, value in bad_uniform.items()}
+        both["draft_tokens"][1, 0] = VOCAB
+        run = functools.partial(eqx.filter_jit(step), **both)
+    else:
+        stacked = {
+            name: jnp.stack([bad_uniform[name], bad_token[name]])
+            for name in bad_uniform
+        }
+        run = functools.partial(jax.vmap(step), **stacked)
+    with pytest.raises(RuntimeError, match=r"draft_tokens must lie in \[0, V\)"):
+        jax.block_until_ready(run())
