@@ -106,13 +106,10 @@ def stopping_row_summary(
     limit = num_draft if num_draft_tokens is None else num_draft_tokens
     block_size = min(block_size, target_probs.shape[-1])
 
-    def summarise(subtracting):
-        return _row_block_sums(
+    def summarise_with_mass(subtracting):
+        block_mass = _row_block_sums(
             num_accepted, subtracting, draft_probs, target_probs, block_size, per_row
         )
-
-    def summarise_with_mass(subtracting):
-        block_mass = summarise(subtracting)
         # The barrier keeps XLA from merging this sum with the block sums into one
         # reduction over the rows, which would read them a second time.
         row_mass = jnp.sum(jax.lax.optimization_barrier(block_mass), axis=-1)
@@ -185,13 +182,26 @@ def block_weights(
     inside = token < vocab
     token = jnp.minimum(token, vocab - 1)
     stop = num_accepted[:, None]
-    weights = upcast(target_probs[rows, stop, token])
+    target = target_probs[rows, stop, token]
+    draft = None
     if draft_probs is not None and num_draft > 0:
-        draft = upcast(draft_probs[rows, jnp.minimum(stop, num_draft - 1), token])
-        weights = jnp.where(
-            summary.subtracting[:, None], jnp.maximum(weights - draft, 0), weights
-        )
+        draft = draft_probs[rows, jnp.minimum(stop, num_draft - 1), token]
+    weights = _weights(target, draft, summary.subtracting[:, None])
     return jnp.where(inside, weights, 0)
+
+
+def _weights(
+    target: Float[Array, "*shape"],
+    draft: Float[Array, "*shape"] | None,
+    subtracting: Bool[Array, "..."] | None,
+) -> Float[Array, "*shape"]:
+    """$\\max(p_n - q_n, 0)$ where `subtracting` (which broadcasts against the rows),
+    else $p_n$, upcast; $p_n$ alone without a draft.
+    """
+    target = upcast(target)
+    if draft is None or subtracting is None:
+        return target
+    return jnp.where(subtracting, jnp.maximum(target - upcast(draft), 0), target)
 
 
 def _row_block_sums(
@@ -215,10 +225,8 @@ def _row_block_sums(
 
     def block_sums(target_row, draft_row, subtracting):
         # Works on (..., vocab) rows; `subtracting` broadcasts against them.
-        x = upcast(target_row)
+        x = _weights(target_row, draft_row, subtracting)
         if draft_row is not None:
-            draft_row = upcast(draft_row)
-            x = jnp.where(subtracting, jnp.maximum(x - draft_row, 0), x)
             x = jnp.where(subtracting & _invalid(draft_row), jnp.inf, x)
         x = jnp.where(_invalid(target_row), jnp.nan, x)
         # The full blocks and the partial last one apart: padding to whole blocks
