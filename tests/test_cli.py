@@ -3,10 +3,22 @@
 import json
 import subprocess
 import sys
+import warnings
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 from test_examples import WORKED_EXAMPLES
+
+
+INPUT_NAMES = (
+    "draft_tokens",
+    "draft_probs",
+    "target_probs",
+    "accept_uniforms",
+    "sample_uniforms",
+)
 
 
 def _main(argv, capsys):
@@ -88,3 +100,108 @@ def test_demo_matches_every_worked_example(capsys):
     assert "MISMATCH" not in out
     assert "random batch" in out
     assert "all worked examples match" in out
+
+
+def _run_text(data: bytes, tmp_path, capsys) -> tuple[int, str, str]:
+    path = tmp_path / "inputs.json"
+    path.write_bytes(data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status, out, err = _main(["run", str(path)], capsys)
+    assert [str(warning.message) for warning in caught] == []
+    return status, out, err
+
+
+def _assert_one_line(status, out, err, message=""):
+    assert status == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("speculax run: error: "), err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\xff\xfe{\x00", "not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (_with(draft_tokens=[[2**70, 1]]).encode(), "draft_tokens must lie in [0, V)"),
+        (_with(draft_tokens=[[2**32 + 3, 1]]).encode(), "draft_tokens must lie in"),
+        (
+            _with(sample_uniforms=[True]).encode(),
+            "sample_uniforms is not a rectangular",
+        ),
+        (
+            _with(sample_uniforms=[None]).encode(),
+            "sample_uniforms is not a rectangular",
+        ),
+        (_with(sample_uniforms=[10**400]).encode(), "beyond float64's range"),
+        (
+            _with(target_probs=[[[1e39, 0.4, 0.3, 0.3]] * 3]).encode(),
+            "target_probs must be finite",
+        ),
+        (
+            _with(draft_tokens=[[[[[[[[[[3]]]]]]]]]]).encode(),
+            "draft_tokens must have rank",
+        ),
+    ],
+)
+def test_malformed_input_gives_one_line_and_status_2(data, message, tmp_path, capsys):
+    _assert_one_line(*_run_text(data, tmp_path, capsys), message)
+
+
+def test_integer_json_numbers_are_read_as_floats(tmp_path, capsys):
+    """`0` and `1` where a float is expected (a one-hot row, a zero uniform) are the
+    numbers they spell."""
+    inputs, _ = WORKED_EXAMPLES[0]
+    as_floats = {**inputs, "sample_uniforms": [0.0]}
+    as_floats["target_probs"] = [[[0.0, 0.0, 0.0, 1.0], *inputs["target_probs"][0][1:]]]
+    as_integers = {**as_floats, "sample_uniforms": [0]}
+    as_integers["target_probs"] = [[[0, 0, 0, 1], *inputs["target_probs"][0][1:]]]
+    results = []
+    for case in (as_floats, as_integers):
+        status, out, err = _run_text(json.dumps(case).encode(), tmp_path, capsys)
+        assert status == 0, err
+        results.append(json.loads(out))
+    assert results[0] == results[1]
+    # p_0(3) = 1 accepts the first draft token (3).
+    assert results[1]["tokens"][0][0] == 3
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([0, 1, 0.5, 1e-39, 1e39, 2**31, 2**63])
+    | st.text(max_size=3),
+    lambda children: st.lists(children, max_size=4),
+    max_leaves=12,
+)
+
+
+# `_main` reads capsys (and so empties it) on every call: sharing it is safe.
+_SHARED_CAPSYS = [hypothesis.HealthCheck.function_scoped_fixture]
+
+
+@hypothesis.settings(max_examples=60, suppress_health_check=_SHARED_CAPSYS)
+@hypothesis.given(
+    name=st.sampled_from(INPUT_NAMES),
+    value=_json_values,
+)
+def test_any_value_gives_a_result_or_one_line(name, value, tmp_path_factory, capsys):
+    """One input replaced by anything JSON can hold: a result, or one line and 2."""
+    inputs = dict(WORKED_EXAMPLES[0][0])
+    inputs[name] = value
+    path = tmp_path_factory.mktemp("fuzz")
+    status, out, err = _run_text(json.dumps(inputs).encode(), path, capsys)
+    if status == 0:
+        assert set(json.loads(out)) == {"num_accepted", "tokens"}
+    else:
+        _assert_one_line(status, out, err)
+
+
+@hypothesis.settings(max_examples=40, suppress_health_check=_SHARED_CAPSYS)
+@hypothesis.given(data=st.binary(max_size=64))
+def test_any_bytes_give_one_line(data, tmp_path_factory, capsys):
+    path = tmp_path_factory.mktemp("bytes")
+    _assert_one_line(*_run_text(data, path, capsys))

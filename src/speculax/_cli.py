@@ -75,22 +75,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as error:
         print(f"speculax run: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        # The promise is one line and exit status 2 for any input, even one that
+        # reaches a failure nobody foresaw.
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        print(
+            f"speculax run: error: unexpected {type(error).__name__}: {first_line}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
 def _run(path: str | None) -> str:
     try:
         if path is None:
-            text = sys.stdin.read()
+            data = sys.stdin.buffer.read()
         else:
-            with open(path) as file:
-                text = file.read()
+            with open(path, "rb") as file:
+                data = file.read()
     except OSError as error:
         raise InputError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError("the input is not UTF-8 text") from None
     try:
         inputs = json.loads(text)
     except json.JSONDecodeError as error:
         raise InputError(f"malformed JSON: {error}") from None
+    except RecursionError:
+        raise InputError("malformed JSON: nested too deeply") from None
     return json.dumps(step_json(inputs), separators=(",", ":"))
 
 
@@ -124,19 +139,47 @@ def step_json(inputs: Any) -> dict[str, list]:
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
+    """A JSON value as the NumPy array the step takes: integers for the tokens,
+    float32 for the rest (JSON integers such as `0` and `1` included).
+    """
+    not_numbers = InputError(f"{name} is not a rectangular array of numbers")
+    # Only numbers: NumPy would quietly read true as 1 and null as NaN.
+    if not _leaf_types(value) <= {int, float}:
+        raise not_numbers
     try:
         array = np.asarray(value)
-    except (ValueError, TypeError, OverflowError):
-        raise InputError(f"{name} is not a rectangular array of numbers") from None
-    if array.dtype == object or array.dtype.kind not in "biuf":
-        raise InputError(f"{name} is not a rectangular array of numbers")
-    if array.dtype.kind == "f":
-        # JSON numbers are float64 in Python; the step computes in float32 unless x64 is
-        # on, in which case float64 input rightly gives float64 arithmetic.
-        array = array.astype(np.float32)
-    elif array.size == 0 and name == "draft_tokens":
-        array = array.astype(np.int32)
-    return array
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise not_numbers from None
+    if name == "draft_tokens":
+        if array.dtype.kind == "O":
+            # Integers beyond 64 bits: no vocabulary is that large.
+            raise InputError(
+                f"{name} must lie in [0, V); got an integer beyond 64 bits"
+            )
+        return array.astype(np.int32) if array.size == 0 else array
+    try:
+        array = np.asarray(value, np.float64)
+    except OverflowError:
+        raise InputError(f"{name} holds an integer beyond float64's range") from None
+    # JSON numbers are float64 in Python; the step computes in float32 unless x64 is
+    # on, in which case float64 input rightly gives float64 arithmetic. Casting, say,
+    # 1e39 to float32 gives inf, which the step's checks report; NumPy's warning
+    # about it would be a second line.
+    with np.errstate(over="ignore"):
+        return array.astype(np.float32)
+
+
+def _leaf_types(value: Any) -> set[type]:
+    """The types of the non-list values nested in `value`, without recursion (JSON
+    may nest deeper than Python's stack)."""
+    types, stack = set(), [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        else:
+            types.add(type(item))
+    return types
 
 
 def _runtime_message(error: RuntimeError) -> str:
@@ -151,7 +194,7 @@ def _demo() -> int:
     from ._examples import WORKED_EXAMPLES
     from ._step import speculative_step
 
-    print("speculax demo: the worked examples of SPEC.md section 1\n")
+    print("speculax demo: the worked examples of the specification\n")
     all_matched = True
     for number, (inputs, expected) in enumerate(WORKED_EXAMPLES, start=1):
         tokens = np.asarray(inputs["draft_tokens"])
