@@ -92,6 +92,33 @@ def test_probs_from_logits_rejects_bad_parameters(keywords, message):
         speculax.probs_from_logits(jnp.zeros((2, 5)), **keywords)
 
 
+def test_probs_from_logits_takes_a_traced_temperature():
+    """One compilation serves every temperature, 0 (greedy) included."""
+    import speculax
+
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((2, 30)))
+    traced = eqx.filter_jit(lambda t: speculax.probs_from_logits(logits, temperature=t))
+    for temperature in (0.0, 0.3, 1.0, 2.5):
+        expected = _reference_probs(np.asarray(logits), temperature)
+        np.testing.assert_allclose(
+            traced(jnp.float32(temperature)), expected, atol=2e-6
+        )
+    with pytest.raises(RuntimeError, match="temperature must be non-negative"):
+        jax.block_until_ready(traced(jnp.float32(-1.0)))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30])
+def test_probs_from_logits_at_a_tiny_temperature_shares_the_largest_logits(
+    temperature,
+):
+    """The limit of temperature -> 0 with ties shared, never NaN."""
+    import speculax
+
+    logits = jnp.array([[1.0, 2.0, 2.0, -3.0], [5.0, 0.0, 0.0, 4.0]])
+    probs = speculax.probs_from_logits(logits, temperature=temperature)
+    assert probs.tolist() == [[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
 # --- Randomness from keys ----------------------------------------------------------
 
 
@@ -112,6 +139,26 @@ def test_uniforms_accept_legacy_keys():
 
     accept, sample = speculax.uniforms(jax.random.PRNGKey(3), 2, 3)
     assert accept.shape == (2, 3) and sample.shape == (2,)
+
+
+def test_uniforms_are_float32_under_x64():
+    import speculax
+
+    with jax.enable_x64(True):
+        accept, sample = speculax.uniforms(jax.random.key(0), 2, 3)
+    assert accept.dtype == sample.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("key", [0, 1.5, np.zeros(2, np.int32), "key"])
+def test_a_key_that_is_not_a_key_is_refused_by_name(key):
+    import speculax
+
+    with pytest.raises(TypeError, match="key"):
+        speculax.uniforms(key, 2, 3)
+    inputs = random_inputs(0, 2, 3, 5)
+    del inputs["accept_uniforms"], inputs["sample_uniforms"]
+    with pytest.raises(TypeError, match="key"):
+        speculax.SpeculativeStep()(**inputs, key=key)
 
 
 def test_uniforms_reject_a_key_array_of_the_wrong_length():
@@ -224,6 +271,17 @@ def test_greedy_ties_go_to_the_smallest_token_id():
     assert out["tokens"].tolist() == [[0, -1]]
     out = speculax.greedy_step()(jnp.array([[0]]), jnp.zeros((1, 1, 3)), target)
     assert out["tokens"].tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_greedy_step_never_reads_draft_probs(bad):
+    """Greedy verification documents `draft_probs` as unread, so no check reads it
+    either: any values give the answer of deterministic drafts."""
+    inputs = random_inputs(2, 3, 2, 6)
+    bad_draft = np.full_like(inputs["draft_probs"], bad)
+    out = _greedy()(inputs["draft_tokens"], bad_draft, inputs["target_probs"])
+    want = _greedy()(inputs["draft_tokens"], None, inputs["target_probs"])
+    np.testing.assert_array_equal(out["tokens"], want["tokens"])
 
 
 def test_argmax_sampler_and_target_row_by_hand():

@@ -1,3 +1,4 @@
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -6,7 +7,7 @@ from jaxtyping import Array, Float
 def probs_from_logits(
     logits: Float[Array, "*batch vocab"],
     *,
-    temperature: float = 1.0,
+    temperature: float | Float[Array, ""] = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> Float[Array, "*batch vocab"]:
@@ -29,7 +30,10 @@ def probs_from_logits(
 
     - `logits`: unnormalised log-probabilities, any leading shape.
     - `temperature`: divides the logits; `0` means greedy, a one-hot of the argmax
-        (ties go to the smallest token id).
+        (ties go to the smallest token id). A Python number or a scalar array, which
+        may be traced (one compilation then serves every temperature). As it tends
+        to 0 the distribution tends to the uniform one over the largest logits,
+        and so it is at every positive temperature too small to tell them apart.
     - `top_k`: keep the `top_k` largest logits (and any tied with the smallest of
         them); `None` keeps all.
     - `top_p`: keep the smallest set of most likely tokens whose probability sums to
@@ -39,7 +43,7 @@ def probs_from_logits(
 
     Probabilities of the same shape as `logits`, summing to 1 along the last axis.
     """
-    if temperature < 0:
+    if isinstance(temperature, int | float) and temperature < 0:
         raise ValueError(f"temperature must be non-negative; got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1; got {top_k}")
@@ -47,9 +51,13 @@ def probs_from_logits(
         raise ValueError(f"top_p must lie in (0, 1]; got {top_p}")
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     vocab = logits.shape[-1]
-    if temperature == 0:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=logits.dtype)
-    logits = logits / temperature
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=logits.dtype)
+    if isinstance(temperature, int | float) and temperature == 0:
+        return greedy
+    # Shifted so that the largest logit is 0 before dividing: at a tiny temperature
+    # the others become -inf, never inf or NaN, and the largest keep equal shares.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(shifted == 0, 0, shifted / temperature)
     if top_k is not None and top_k < vocab:
         kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth_largest, logits, -jnp.inf)
@@ -61,4 +69,11 @@ def probs_from_logits(
         needed = jnp.where(mass_before < top_p, descending, jnp.inf)
         smallest_kept = jnp.min(needed, axis=-1, keepdims=True)
         logits = jnp.where(probs >= smallest_kept, logits, -jnp.inf)
-    return jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if isinstance(temperature, int | float):
+        return probs
+    temperature = jnp.asarray(temperature)
+    probs = eqx.error_if(
+        probs, temperature < 0, "temperature must be non-negative; got a negative one"
+    )
+    return jnp.where(temperature == 0, greedy, probs)

@@ -30,6 +30,14 @@ def uniforms(
     `accept_uniforms` of shape `(batch, draft)` and `sample_uniforms` of shape
     `(batch,)`, both float32.
     """
+    if not isinstance(key, jax.Array) or not (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))
+    ):
+        raise TypeError(
+            "key must be a JAX PRNG key (jax.random.key(0)) or an array of them; got "
+            f"{_describe(key)}"
+        )
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     if key.shape == ():
@@ -39,5 +47,13 @@ def uniforms(
             f"key must be a single key or one key per row, shape () or ({batch},); got "
             f"shape {key.shape}"
         )
-    draws = jax.vmap(lambda row_key: jax.random.uniform(row_key, (draft + 1,)))(key)
+    draws = jax.vmap(
+        lambda row_key: jax.random.uniform(row_key, (draft + 1,), jnp.float32)
+    )(key)
     return draws[:, :draft], draws[:, draft]
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, jax.Array):
+        return f"an array of dtype {x.dtype} and shape {x.shape}"
+    return type(x).__name__
