@@ -1,6 +1,7 @@
 # Nothing here imports speculax at module level: the jaxtyping pytest plugin must hook
 # the package's import first, so that every test runs with runtime shape checking.
 import hypothesis
+import pytest
 
 
 hypothesis.settings.register_profile(
@@ -10,3 +11,14 @@ hypothesis.settings.register_profile(
     print_blob=True,
 )
 hypothesis.settings.load_profile("speculax")
+
+
+@pytest.fixture(params=["per_row", "gather"])
+def row_access(request, monkeypatch):
+    """Both row-access strategies of the summary (CPU loop, GPU gather), on CPU."""
+    from speculax import _stopping_rows
+
+    monkeypatch.setattr(
+        _stopping_rows, "_per_row_default", lambda: request.param == "per_row"
+    )
+    return request.param

@@ -1,5 +1,10 @@
-"""A float64 NumPy reference for the step, straight from SPEC section 1, and the judge
-of SPEC section 2. Independent of the package on purpose: nothing here imports it.
+"""A float64 NumPy reference for the step, straight from the specification
+(`docs/concepts.md`), and its judge. Independent of the package on purpose: nothing
+here imports it.
+
+The subnormal rule: a probability, or a residual weight, whose magnitude is below the
+smallest normal number of the arithmetic dtype (float32 unless the inputs are float64
+under x64) counts as zero. Every function here applies it, with `smallest_normal`.
 """
 
 import numpy as np
@@ -7,27 +12,43 @@ import numpy as np
 
 TIE_TOLERANCE = 1e-6
 CDF_TOLERANCE = 1e-6
+FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).smallest_normal)
 
 
-def acceptance_ratios(draft_tokens, draft_probs, target_probs) -> np.ndarray:
+def flushed(x, smallest_normal=FLOAT32_SMALLEST_NORMAL) -> np.ndarray:
+    """`x` in float64 with every magnitude below `smallest_normal` set to zero."""
+    x = np.asarray(x, np.float64)
+    return np.where(np.abs(x) < smallest_normal, 0.0, x)
+
+
+def acceptance_ratios(
+    draft_tokens, draft_probs, target_probs, smallest_normal=FLOAT32_SMALLEST_NORMAL
+) -> np.ndarray:
     """$p_i(x_i) / q_i(x_i)$ in float64; $q = 0$ gives inf (p > 0) or 0 (p = 0)."""
     tokens = np.asarray(draft_tokens)[..., None]
     num_draft = tokens.shape[1]
     p = np.take_along_axis(
-        np.asarray(target_probs, np.float64)[:, :num_draft], tokens, -1
+        flushed(np.asarray(target_probs)[:, :num_draft], smallest_normal), tokens, -1
     )
-    q = np.take_along_axis(np.asarray(draft_probs, np.float64), tokens, -1)
+    q = np.take_along_axis(flushed(draft_probs, smallest_normal), tokens, -1)
     p, q = p[..., 0], q[..., 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(q > 0, p / np.where(q > 0, q, 1), np.where(p > 0, np.inf, 0.0))
 
 
-def residual(row, num_accepted, draft_probs, target_probs) -> np.ndarray:
-    """The normalised distribution $r$ of SPEC 1.3 for one row, in float64."""
-    p = np.asarray(target_probs, np.float64)[row, num_accepted]
+def residual(
+    row,
+    num_accepted,
+    draft_probs,
+    target_probs,
+    smallest_normal=FLOAT32_SMALLEST_NORMAL,
+) -> np.ndarray:
+    """The normalised residual distribution $r$ for one row, in float64."""
+    p = flushed(np.asarray(target_probs)[row, num_accepted], smallest_normal)
     num_draft = np.asarray(draft_probs).shape[1]
     if num_accepted < num_draft:
-        w = np.maximum(p - np.asarray(draft_probs, np.float64)[row, num_accepted], 0)
+        q = flushed(np.asarray(draft_probs)[row, num_accepted], smallest_normal)
+        w = flushed(np.maximum(p - q, 0), smallest_normal)
     else:
         w = p
     if w.sum() == 0:
@@ -36,13 +57,18 @@ def residual(row, num_accepted, draft_probs, target_probs) -> np.ndarray:
 
 
 def reference_step(
-    draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+    draft_tokens,
+    draft_probs,
+    target_probs,
+    accept_uniforms,
+    sample_uniforms,
+    smallest_normal=FLOAT32_SMALLEST_NORMAL,
 ) -> dict[str, np.ndarray]:
-    """SPEC section 1 computed in float64, one row at a time."""
+    """The step computed in float64, one row at a time."""
     draft_tokens = np.asarray(draft_tokens)
     batch, num_draft = draft_tokens.shape
     passed = np.asarray(accept_uniforms, np.float64) < acceptance_ratios(
-        draft_tokens, draft_probs, target_probs
+        draft_tokens, draft_probs, target_probs, smallest_normal
     )
     tokens = np.full((batch, num_draft + 1), -1, np.int64)
     num_accepted = np.zeros(batch, np.int64)
@@ -50,7 +76,7 @@ def reference_step(
         n = 0
         while n < num_draft and passed[row, n]:
             n += 1
-        r = residual(row, n, draft_probs, target_probs)
+        r = residual(row, n, draft_probs, target_probs, smallest_normal)
         cdf = np.cumsum(r)
         above = np.nonzero(cdf > float(np.asarray(sample_uniforms)[row]))[0]
         y = above[0] if above.size else np.nonzero(r > 0)[0][-1]
@@ -60,8 +86,12 @@ def reference_step(
     return {"num_accepted": num_accepted, "tokens": tokens}
 
 
-def judge(inputs: dict, output: dict) -> list[str]:
-    """SPEC 2's oracle: the problems with `output` (an empty list when it is right).
+def judge(
+    inputs: dict, output: dict, smallest_normal=FLOAT32_SMALLEST_NORMAL
+) -> list[str]:
+    """The judge of the specification: the problems with `output` (an empty list
+    when it is right), under the subnormal rule of the arithmetic dtype whose smallest
+    normal number is `smallest_normal`.
 
     A count is right when every test before it passes and the test at it fails (or
     n = G), where a test whose $u_i$ lies within 1e-6 * p/q of its ratio may go either
@@ -71,7 +101,7 @@ def judge(inputs: dict, output: dict) -> list[str]:
     draft_tokens = np.asarray(inputs["draft_tokens"])
     batch, num_draft = draft_tokens.shape
     ratios = acceptance_ratios(
-        draft_tokens, inputs["draft_probs"], inputs["target_probs"]
+        draft_tokens, inputs["draft_probs"], inputs["target_probs"], smallest_normal
     )
     u = np.asarray(inputs["accept_uniforms"], np.float64)
     with np.errstate(invalid="ignore"):
@@ -103,7 +133,9 @@ def judge(inputs: dict, output: dict) -> list[str]:
         if tokens[row, n + 1 :].tolist() != [-1] * (num_draft - n):
             problems.append(f"row {row}: tokens after y are not all -1")
         y = int(tokens[row, n])
-        r = residual(row, n, inputs["draft_probs"], inputs["target_probs"])
+        r = residual(
+            row, n, inputs["draft_probs"], inputs["target_probs"], smallest_normal
+        )
         if not 0 <= y < r.size or r[y] <= 0:
             problems.append(f"row {row}: token {y} has r(y) = 0 or lies outside [0, V)")
             continue
@@ -116,3 +148,35 @@ def judge(inputs: dict, output: dict) -> list[str]:
                 f"not bracketing s = {s!r}"
             )
     return problems
+
+
+def possible_counts(inputs: dict, row: int, smallest_normal=FLOAT32_SMALLEST_NORMAL):
+    """Every count $n$ the judge accepts for `row` (near-ties go either way)."""
+    draft_tokens = np.asarray(inputs["draft_tokens"])
+    num_draft = draft_tokens.shape[1]
+    ratios = acceptance_ratios(
+        draft_tokens, inputs["draft_probs"], inputs["target_probs"], smallest_normal
+    )[row]
+    u = np.asarray(inputs["accept_uniforms"], np.float64)[row]
+    with np.errstate(invalid="ignore"):
+        near_tie = np.abs(u - ratios) <= TIE_TOLERANCE * ratios
+    may_pass = (u < ratios) | near_tie
+    may_fail = ~(u < ratios) | near_tie
+    return [
+        n
+        for n in range(num_draft + 1)
+        if all(may_pass[:n]) and (n == num_draft or may_fail[n])
+    ]
+
+
+def stopping_row_weights(
+    inputs: dict, row: int, n: int, smallest_normal=FLOAT32_SMALLEST_NORMAL
+) -> np.ndarray:
+    """The unnormalised float64 weights drawn from at `n`, after the fallback."""
+    p = flushed(np.asarray(inputs["target_probs"])[row, n], smallest_normal)
+    if n < np.asarray(inputs["draft_tokens"]).shape[1]:
+        q = flushed(np.asarray(inputs["draft_probs"])[row, n], smallest_normal)
+        w = flushed(np.maximum(p - q, 0), smallest_normal)
+        if w.sum() > 0:
+            return w
+    return p

@@ -12,7 +12,6 @@ import pytest
 
 import speculax
 from inputs import LARGEST_BELOW_ONE
-from speculax import _stopping_rows
 from speculax._bench import Size, make_inputs
 
 
@@ -93,15 +92,6 @@ def _steps():
         "fast": speculax.SpeculativeStep(),
         "generic": speculax.SpeculativeStep(residual=Delegating()),
     }
-
-
-@pytest.fixture(params=["per_row", "gather"])
-def row_access(request, monkeypatch):
-    """Both row-access strategies of the summary (CPU loop, GPU gather), on CPU."""
-    monkeypatch.setattr(
-        _stopping_rows, "_per_row_default", lambda: request.param == "per_row"
-    )
-    return request.param
 
 
 @pytest.mark.parametrize("shape", ["flat", "peaked"])

@@ -67,6 +67,27 @@ def _stop_at_zero(inputs):
     inputs["target_probs"][np.arange(BATCH), 0, first] = 0.0
 
 
+def _subnormal_residual(inputs):
+    """Row 0 stops at n = 0 with q_0 = p_0 except at one token, where p_0 - q_0 is
+    1e-39, below float32's smallest normal: the residual counts as empty."""
+    p, q = inputs["target_probs"].copy(), inputs["draft_probs"].copy()
+    first = inputs["draft_tokens"][0, 0]
+    p[0, 0, first] = 0.0
+    q[0, 0] = p[0, 0]
+    other = (first + 1) % VOCAB
+    p[0, 0, other], q[0, 0, other] = 1.5e-38, 1.4e-38
+    inputs["target_probs"], inputs["draft_probs"] = p, q
+
+
+def _subnormal_at_draft_token(inputs):
+    """p_0(x_0) = q_0(x_0) = 1e-39 in row 0: both count as zero, so x_0 fails."""
+    for name in ("target_probs", "draft_probs"):
+        inputs[name] = inputs[name].copy()
+        inputs[name][0, 0, inputs["draft_tokens"][0, 0]] = 1e-39
+    inputs["accept_uniforms"] = inputs["accept_uniforms"].copy()
+    inputs["accept_uniforms"][0, 0] = 0.4
+
+
 def _then(*changes):
     def change(inputs):
         for step in changes:
@@ -327,6 +348,21 @@ CASES = [
         RuntimeError,
         r"no token can be drawn.*no positive mass",
     ),
+    Case(
+        "only subnormal mass in the target row at the stop",
+        _put("target_probs", (1, 0), 3e-39),
+        RuntimeError,
+        r"no token can be drawn.*values below the smallest normal number count as zero",
+    ),
+    Case(
+        "finite p_n whose total overflows",
+        _then(
+            _set("accept_uniforms", np.zeros((BATCH, DRAFT), np.float32)),
+            _put("target_probs", (1, DRAFT), 2e38),
+        ),
+        RuntimeError,
+        r"target_probs must have rows whose total.*sums past the largest",
+    ),
     # Odd but valid: the right answer.
     Case(
         "NaN in a row the step does not read",
@@ -363,6 +399,8 @@ CASES = [
         _then(_cast("draft_probs", jnp.bfloat16), _cast("target_probs", jnp.bfloat16)),
     ),
     Case("int64 tokens", _cast("draft_tokens", np.int64)),
+    Case("subnormal p and q at a draft token", _subnormal_at_draft_token),
+    Case("residual below the smallest normal falls back to p_n", _subnormal_residual),
 ]
 
 
@@ -468,3 +506,71 @@ def test_the_first_failing_check_is_reported(mode):
         run = functools.partial(jax.vmap(step), **stacked)
     with pytest.raises(RuntimeError, match=r"draft_tokens must lie in \[0, V\)"):
         jax.block_until_ready(run())
+
+
+# Integer inputs: every dtype is read by value, never wrapped or overflowed.
+INTEGER_DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64"]
+
+
+def _integer_inputs(vocab: int, dtype: str) -> Inputs:
+    inputs = random_inputs(5, BATCH, DRAFT, vocab)
+    largest = min(vocab - 1, np.iinfo(dtype).max)
+    inputs["draft_tokens"] = np.array([[0, largest, 7], [largest, 1, 2]], dtype)
+    return inputs
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("vocab", [300, 70_000])
+@pytest.mark.parametrize("dtype", [*INTEGER_DTYPES, "uint64"])
+def test_every_integer_dtype_is_read_by_value(dtype, vocab, x64):
+    import speculax
+
+    with jax.enable_x64(x64):
+        inputs = _integer_inputs(vocab, dtype)
+        lengths = np.array([DRAFT, 1], dtype)
+        as_int32 = {**inputs, "draft_tokens": inputs["draft_tokens"].astype(np.int32)}
+        want = speculax.speculative_step(
+            **as_int32, num_draft_tokens=lengths.astype(int)
+        )
+        for tokens in (inputs["draft_tokens"], jnp.asarray(inputs["draft_tokens"])):
+            got = speculax.speculative_step(
+                **{**inputs, "draft_tokens": tokens}, num_draft_tokens=lengths
+            )
+            for name in ("num_accepted", "tokens"):
+                np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize(
+    "dtype, value",
+    [
+        ("int8", -1),
+        ("uint8", 200),
+        ("int16", -3),
+        ("uint16", 65_535),
+        ("uint32", 2**31),
+        ("int64", 2**32 + 3),
+        ("int64", -(2**32) + 3),
+        ("uint64", 2**63 + 3),
+    ],
+)
+def test_a_token_out_of_range_is_rejected_in_every_dtype(dtype, value, x64):
+    """Checked before any narrowing: 2**32 + 3 is not token 3."""
+    import speculax
+
+    with jax.enable_x64(x64):
+        inputs = random_inputs(5, BATCH, DRAFT, 100)
+        inputs["draft_tokens"] = inputs["draft_tokens"].astype(dtype)
+        inputs["draft_tokens"][1, 0] = value
+        with pytest.raises(RuntimeError, match=r"draft_tokens must lie in \[0, V\)"):
+            jax.block_until_ready(speculax.speculative_step(**inputs))
+        with pytest.raises(RuntimeError, match=r"draft_tokens must lie in \[0, V\)"):
+            speculax.diagnose(speculax.SpeculativeStep(), **inputs)
+        lengths = np.array([1, value], dtype)
+        inputs["draft_tokens"][1, 0] = 0
+        with pytest.raises(
+            RuntimeError, match=r"num_draft_tokens must lie in \[0, G\]"
+        ):
+            jax.block_until_ready(
+                speculax.speculative_step(**inputs, num_draft_tokens=lengths)
+            )

@@ -92,3 +92,103 @@ def test_row_among_other_rows():
     assert_rows_equal(
         {k: v[slots] for k, v in out.items()}, {k: v[rows] for k, v in batched.items()}
     )
+
+
+# Both row strategies, every dtype, vocabularies that are and are not multiples of the
+# block size 256, and uniforms on float64 cumulative-sum boundaries: a row's sums must
+# be the same to the last bit alone and in a batch, or a uniform at a boundary draws
+# another token.
+EDGE_BATCH = 24
+EDGE_DRAFT = 2
+
+
+def _edge_inputs(vocab: int, dtype) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(vocab)
+    shape = (EDGE_BATCH, EDGE_DRAFT + 1, vocab)
+    # Flat rows (every block holds mass) beside peaked ones.
+    logits = np.where(
+        rng.random((EDGE_BATCH, 1, 1)) < 0.5, 0.1, 3.0
+    ) * rng.standard_normal(shape)
+    target = np.exp(logits)
+    draft = target[:, :EDGE_DRAFT] * np.exp(0.5 * rng.standard_normal(shape)[:, :-1])
+    target /= target.sum(-1, keepdims=True)
+    draft /= draft.sum(-1, keepdims=True)
+    tokens = np.array(
+        [[rng.choice(vocab, p=row) for row in rows] for rows in draft], np.int32
+    )
+    return {
+        "draft_tokens": tokens,
+        "draft_probs": np.asarray(jnp.asarray(draft, dtype)),
+        "target_probs": np.asarray(jnp.asarray(target, dtype)),
+        "accept_uniforms": rng.random((EDGE_BATCH, EDGE_DRAFT)).astype(np.float32),
+        "sample_uniforms": rng.random(EDGE_BATCH).astype(np.float32),
+    }
+
+
+def _boundary_uniforms(inputs, num_accepted) -> np.ndarray:
+    """For each row, s on a float64 cumulative-sum boundary of its residual: the end
+    of a block (every other row) or of a random token, rounded to float32 (rounding
+    to nearest leaves s on either side of the boundary).
+    """
+    rng = np.random.default_rng(0)
+    s = np.empty(EDGE_BATCH, np.float32)
+    for b, n in enumerate(num_accepted):
+        p = np.asarray(inputs["target_probs"][b, n], np.float64)
+        w = p
+        if n < EDGE_DRAFT:
+            w = np.maximum(p - np.asarray(inputs["draft_probs"][b, n], np.float64), 0)
+        cdf = np.cumsum(w) / w.sum()
+        vocab = cdf.size
+        ends = np.arange(255, vocab - 1, 256)
+        edge = rng.choice(ends) if b % 2 and ends.size else rng.integers(vocab - 1)
+        s[b] = min(np.float32(cdf[edge]), np.nextafter(np.float32(1), np.float32(0)))
+    return s
+
+
+class _Delegating(speculax.AbstractResidual):
+    """The default residual's weights from a piece the step does not know, so that
+    the sampler reads them as a `(batch, vocab)` array (the generic path)."""
+
+    inner: speculax.Residual = speculax.Residual()
+
+    def __call__(self, num_accepted, draft_tokens, draft_probs, target_probs):
+        return self.inner(num_accepted, draft_tokens, draft_probs, target_probs)
+
+
+def _assert_invariant_at_boundaries(step, vocab, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        # A fresh jit per test: the row strategy is chosen at trace time.
+        run_step = jax.jit(lambda *args: step(*args))
+        inputs = _edge_inputs(vocab, jnp.dtype(dtype))
+        first = run_step(*inputs.values())
+        inputs["sample_uniforms"] = _boundary_uniforms(
+            inputs, np.asarray(first["num_accepted"])
+        )
+        batched = {k: np.asarray(v) for k, v in run_step(*inputs.values()).items()}
+        assert 0 < batched["num_accepted"].mean() < EDGE_DRAFT
+        for b in range(EDGE_BATCH):
+            alone = run_step(*(value[b : b + 1] for value in inputs.values()))
+            for name in ("num_accepted", "tokens"):
+                np.testing.assert_array_equal(
+                    np.asarray(alone[name])[0], batched[name][b], err_msg=name
+                )
+        reversed_rows = run_step(*(value[::-1] for value in inputs.values()))
+        for name in ("num_accepted", "tokens"):
+            np.testing.assert_array_equal(
+                np.asarray(reversed_rows[name])[::-1], batched[name], err_msg=name
+            )
+
+
+@pytest.mark.parametrize("vocab", [512, 1000])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_row_alone_equals_row_in_batch_at_cumulative_sum_boundaries(
+    vocab, dtype, row_access
+):
+    _assert_invariant_at_boundaries(speculax.SpeculativeStep(), vocab, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_sampler_on_weights_is_batch_invariant_at_boundaries(dtype):
+    """`InverseCDF` on a `(batch, vocab)` array, as any other residual feeds it."""
+    step = speculax.SpeculativeStep(residual=_Delegating())
+    _assert_invariant_at_boundaries(step, 1000, dtype)

@@ -19,10 +19,13 @@ class AbstractAcceptance(eqx.Module):
     the prefix count.
 
     A deterministic test sets the class variable `reads_uniforms = False`, so that a
-    step may be called without `accept_uniforms`.
+    step may be called without `accept_uniforms`; a test that never reads the draft
+    probabilities sets `reads_draft_probs = False`, so that the step's value checks
+    skip them too.
     """
 
     reads_uniforms: ClassVar[bool] = True
+    reads_draft_probs: ClassVar[bool] = True
 
     @abc.abstractmethod
     def __call__(
@@ -119,6 +122,7 @@ class GreedyAcceptance(AbstractAcceptance):
     """
 
     reads_uniforms: ClassVar[bool] = False
+    reads_draft_probs: ClassVar[bool] = False
 
     def __call__(
         self,
@@ -164,6 +168,7 @@ class TypicalAcceptance(AbstractAcceptance):
     """
 
     reads_uniforms: ClassVar[bool] = False
+    reads_draft_probs: ClassVar[bool] = False
     epsilon: float = eqx.field(static=True, default=0.09)
     alpha: float = eqx.field(static=True, default=0.3)
 

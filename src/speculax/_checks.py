@@ -173,7 +173,7 @@ def draft_token_prob_failures(
 def stopping_row_failures(row_mass: Float[Array, " batch"]) -> list[Failure]:
     """The checks of the rows $p_n$ and $q_n$ that the step draws from, read from the
     flags that their one-pass summary carries into each row's total mass
-    (`RowSummary.row_mass`: NaN for a bad value in $p_n$, $+\\infty$ for one in
+    (`RowSummary.row_mass`: NaN for a bad value in $p_n$, $-\\infty$ for one in
     $q_n$): nearly free when the summary serves the sampling too.
     """
     return [
@@ -183,11 +183,25 @@ def stopping_row_failures(row_mass: Float[Array, " batch"]) -> list[Failure]:
             "infinite value in the row p_n at the stopping position n = num_accepted",
         ),
         (
-            row_mass == jnp.inf,
+            row_mass == -jnp.inf,
             "draft_probs must be finite and non-negative; got a negative, NaN or "
             "infinite value in the row q_n at the stopping position n = num_accepted",
         ),
     ]
+
+
+def overflow_failure(row_mass: Float[Array, " batch"]) -> Failure:
+    """The check that the weights drawn from have a total the arithmetic dtype can
+    hold, for samplers that normalise them: an unnormalised row $p_n$ of finite
+    values can still sum past the largest float32. Only $p_n$ can cause it, since
+    the residual $\\max(p_n - q_n, 0)$ never exceeds $p_n$.
+    """
+    return (
+        row_mass == jnp.inf,
+        "target_probs must have rows whose total the arithmetic dtype can hold; the "
+        "row p_n at the stopping position n = num_accepted sums past the largest "
+        "finite number (normalise it)",
+    )
 
 
 def sampled_failure(token: Int[Array, " batch"], vocab: int) -> Failure:
@@ -198,7 +212,7 @@ def sampled_failure(token: Int[Array, " batch"], vocab: int) -> Failure:
         (token < 0) | (token >= vocab),
         "no token can be drawn: the residual at the stopping position n has no "
         "positive mass, even after falling back to target_probs[b, n], which has no "
-        "positive entry",
+        "positive entry (values below the smallest normal number count as zero)",
     )
 
 

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ._numerics import upcast
+from ._numerics import as_index, index_array, upcast
 from ._random import KeyArray
 from ._step import InputArray, SpeculativeStep, StepOutput
 
@@ -87,7 +87,7 @@ def diagnose(
         num_draft_tokens=num_draft_tokens,
     )
     num_draft = out["tokens"].shape[1] - 1
-    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    draft_tokens = as_index(index_array(draft_tokens))
     target = upcast(jnp.asarray(target_probs))[:, :num_draft]
     if draft_probs is None:
         draft = jax.nn.one_hot(draft_tokens, target.shape[-1], dtype=target.dtype)

@@ -1,10 +1,11 @@
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._numerics import upcast
+from ._numerics import flush_subnormal, upcast
 from ._stopping_rows import stopping_rows
 
 
@@ -21,7 +22,12 @@ class AbstractResidual(eqx.Module):
     (the step passes it only for ragged batches, so a residual without it still works
     on full ones): drafting stopped at $n$ with a draft to correct when
     $n < g_b$, and a bonus token is due when $n = g_b$.
+
+    A residual that never reads the draft probabilities sets the class variable
+    `reads_draft_probs = False`, so that the step's value checks skip them too.
     """
+
+    reads_draft_probs: ClassVar[bool] = True
 
     @abc.abstractmethod
     def __call__(
@@ -109,7 +115,8 @@ class Residual(AbstractResidual):
             is_rejected = jnp.arange(target_row.shape[-1])[None, :] == rejected
             excess = jnp.where(is_rejected, jnp.maximum(target_row - 1, 0), target_row)
         else:
-            excess = jnp.maximum(target_row - upcast(draft_row), 0)
+            # A difference of two normal numbers can be subnormal: it counts as zero.
+            excess = flush_subnormal(jnp.maximum(target_row - upcast(draft_row), 0))
         weights = jnp.where(drafting, excess, target_row)
         has_mass = jnp.any(weights > 0, axis=-1, keepdims=True)
         return jnp.where(has_mass, weights, target_row)
@@ -123,6 +130,8 @@ class TargetRow(AbstractResidual):
     Beside the ratio test it is **not lossless**: the residual must remove what the
     draft already proposed.
     """
+
+    reads_draft_probs: ClassVar[bool] = False
 
     def __call__(
         self,

@@ -5,7 +5,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import upcast
+from ._numerics import ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
 
 
@@ -97,7 +97,7 @@ class InverseCDF(AbstractSampler):
         blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
             batch, num_blocks, block_size
         )
-        block_mass = jnp.sum(blocks, axis=-1)
+        block_mass = ordered_block_sums(weights, block_size, lanes=8)
         block_index, before_block, threshold, total = find_block(
             block_mass, sample_uniforms
         )

@@ -16,11 +16,13 @@ from ._acceptance import RatioAcceptance, draft_token_probs
 from ._checks import (
     check_structure,
     draft_token_prob_failures,
+    overflow_failure,
     raise_first_failure,
     sampled_failure,
     stopping_row_failures,
     token_and_uniform_failures,
 )
+from ._numerics import as_index, index_array
 from ._prefix import PrefixCount
 from ._residual import Residual
 from ._sampling import InverseCDF, find_block, find_token
@@ -105,13 +107,14 @@ def sharded_step(
         sample_uniforms: ArrayLike,
     ) -> StepOutput:
         arrays = (
-            jnp.asarray(draft_tokens),
+            index_array(draft_tokens),
             jnp.asarray(draft_probs),
             jnp.asarray(target_probs),
             jnp.asarray(accept_uniforms),
             jnp.asarray(sample_uniforms),
         )
         check_structure(*arrays, None)
+        arrays = (as_index(arrays[0]), *arrays[1:])
         batch = arrays[0].shape[0]
         vocab = arrays[2].shape[-1]
         for name, axis, size in (
@@ -154,7 +157,7 @@ def _check_default_pieces(step: SpeculativeStep) -> None:
 def _batch_sharded(
     step: SpeculativeStep, mesh: Mesh, batch_axis: str | None
 ) -> Callable[..., StepOutput]:
-    # Rows are independent (SPEC 2, batch invariance), so each device runs the whole
+    # Rows are independent (batch invariance), so each device runs the whole
     # step on its rows with no communication at all.
     rows = PartitionSpec(batch_axis)
 
@@ -252,6 +255,7 @@ def _vocab_sharded(
                 ),
                 *draft_token_prob_failures(target_at, draft_at, in_use),
                 *stopping_row_failures(summary.row_mass),
+                overflow_failure(summary.row_mass),
                 sampled_failure(drawn, vocab),
             ]
             outputs = raise_first_failure(outputs, failures)

@@ -3,7 +3,6 @@ from typing import Any, TypeAlias, TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
 from ._acceptance import AbstractAcceptance, GreedyAcceptance, RatioAcceptance
@@ -11,10 +10,12 @@ from ._checks import (
     check_all_probs,
     check_structure,
     input_failures,
+    overflow_failure,
     raise_first_failure,
     sampled_failure,
     stopping_row_failures,
 )
+from ._numerics import as_index, index_array
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._random import KeyArray, uniforms
 from ._residual import AbstractResidual, Residual, TargetRow
@@ -151,12 +152,12 @@ class SpeculativeStep(eqx.Module):
         the distribution drawn from has no positive mass. With `check_all_probs=True`,
         also when any probability anywhere is negative or not finite.
         """
-        draft_tokens = _token_array(draft_tokens)
+        draft_tokens = index_array(draft_tokens)
         target_probs = jnp.asarray(target_probs)
         draft_probs = _optional_array(draft_probs)
         accept_uniforms = _optional_array(accept_uniforms)
         sample_uniforms = _optional_array(sample_uniforms)
-        num_draft_tokens = _optional_array(num_draft_tokens)
+        num_draft_tokens = _optional_index_array(num_draft_tokens)
         check_structure(
             draft_tokens,
             draft_probs,
@@ -165,16 +166,22 @@ class SpeculativeStep(eqx.Module):
             sample_uniforms,
             num_draft_tokens,
         )
+        draft_tokens = as_index(draft_tokens)
+        if num_draft_tokens is not None:
+            num_draft_tokens = as_index(num_draft_tokens)
         accept_uniforms, sample_uniforms = self._uniforms(
             draft_tokens.shape, accept_uniforms, sample_uniforms, key
         )
         if self.check_all_probs:
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
+        # The checks read only the draft probabilities that a piece reads.
+        acceptance_reads = draft_probs if self.acceptance.reads_draft_probs else None
+        residual_reads = draft_probs if self.residual.reads_draft_probs else None
         failures = []
         if self.check_values:
             failures += input_failures(
                 draft_tokens,
-                draft_probs,
+                acceptance_reads,
                 target_probs,
                 accept_uniforms,
                 sample_uniforms,
@@ -208,13 +215,14 @@ class SpeculativeStep(eqx.Module):
             )
             if self.check_values:
                 failures += stopping_row_failures(summary.row_mass)
+                failures.append(overflow_failure(summary.row_mass))
             drawn = sample_residual(summary, sample_uniforms)
         else:
             if self.check_values:
                 # Only the summary's flags are read, whatever its block size.
                 summary = stopping_row_summary(
                     num_accepted,
-                    draft_probs,
+                    residual_reads,
                     target_probs,
                     block_size=256,
                     num_draft_tokens=num_draft_tokens,
@@ -265,16 +273,12 @@ class SpeculativeStep(eqx.Module):
         return accept_uniforms, sample_uniforms
 
 
-def _token_array(draft_tokens: InputArray) -> Array:
-    # An empty nested list has no dtype of its own (NumPy would call it float), but the
-    # tokens of a step with G = 0 are integers all the same.
-    if isinstance(draft_tokens, Sequence) and np.size(draft_tokens) == 0:
-        return jnp.asarray(draft_tokens, jnp.int32)
-    return jnp.asarray(draft_tokens)
-
-
 def _optional_array(x: InputArray | None) -> Array | None:
     return None if x is None else jnp.asarray(x)
+
+
+def _optional_index_array(x: InputArray | None) -> Array | None:
+    return None if x is None else index_array(x)
 
 
 def assemble_tokens(
@@ -357,13 +361,13 @@ def speculative_step(
     # Lists must become arrays before jit, which would otherwise see each number as a
     # separate scalar argument.
     return _default_step(
-        _token_array(draft_tokens),
+        index_array(draft_tokens),
         _optional_array(draft_probs),
         jnp.asarray(target_probs),
         _optional_array(accept_uniforms),
         _optional_array(sample_uniforms),
         key=key,
-        num_draft_tokens=_optional_array(num_draft_tokens),
+        num_draft_tokens=_optional_index_array(num_draft_tokens),
     )
 
 
