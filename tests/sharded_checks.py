@@ -131,6 +131,27 @@ def main() -> None:
         result["bad_token"] = None
     except Exception as error:  # Equinox raises an XlaRuntimeError / RuntimeError
         result["bad_token"] = str(error)
+    # Tokens of any integer dtype are read by value: int8 answers as int32 does, and
+    # an int64 2**32 + 1 is out of range, not token 1.
+    narrow = f(tokens.astype(np.int16), q, p, accept, sample)
+    result["int16_identical"] = bool(
+        np.array_equal(narrow["tokens"], reference[0]["tokens"])
+    )
+    try:
+        wide = tokens.astype(np.int64)
+        wide[3, 1] = 2**32 + 1
+        jax.block_until_ready(f(wide, q, p, accept, sample))
+        result["int64_token"] = None
+    except Exception as error:
+        result["int64_token"] = str(error)
+    try:
+        # Row 0 accepts every draft: a p_G of finite values summing past float32.
+        huge = p.copy()
+        huge[0, DRAFT] = 2e38
+        jax.block_until_ready(f(tokens, q, huge, accept, sample))
+        result["overflow"] = None
+    except Exception as error:
+        result["overflow"] = str(error)
     try:
         speculax.sharded_step(speculax.greedy_step(), mesh, vocab_axis="v")
         result["non_default"] = None

@@ -71,6 +71,17 @@ def test_value_checks_run(result):
     assert f"draft_tokens must lie in [0, V) = [0, {VOCAB})" in result["bad_token"]
 
 
+def test_integer_tokens_are_read_by_value(result):
+    assert result["int16_identical"]
+    message = result["int64_token"]
+    assert message is not None and "draft_tokens must lie in [0, V)" in message
+
+
+def test_an_overflowing_row_names_target_probs(result):
+    message = result["overflow"]
+    assert message is not None and "target_probs must have rows whose total" in message
+
+
 def test_non_default_pieces_rejected(result):
     message = result["non_default"]
     assert message is not None and "GreedyAcceptance" in message

@@ -65,10 +65,12 @@ def sharded_step(
 
     **Returns:**
 
-    A jitted function of the five arrays `draft_tokens`, `draft_probs` (an array,
-    not `None`), `target_probs`, `accept_uniforms` and `sample_uniforms`, with the
+    A function of the five arrays `draft_tokens`, `draft_probs` (an array, not
+    `None`), `target_probs`, `accept_uniforms` and `sample_uniforms`, with the
     shapes of [`speculax.SpeculativeStep.__call__`][], returning the same
-    [`speculax.StepOutput`][] dict. Inputs placed otherwise are resharded by `jit`.
+    [`speculax.StepOutput`][] dict, compiled once per input structure. Inputs placed
+    otherwise are resharded by `jit`. Tokens of any integer dtype are read by value,
+    checked before any narrowing, as by the single-device step.
 
     **Raises:**
 
@@ -99,20 +101,8 @@ def sharded_step(
         _check_default_pieces(step)
         run = _vocab_sharded(step, mesh, batch_axis, vocab_axis)
 
-    def sharded(
-        draft_tokens: ArrayLike,
-        draft_probs: ArrayLike,
-        target_probs: ArrayLike,
-        accept_uniforms: ArrayLike,
-        sample_uniforms: ArrayLike,
-    ) -> StepOutput:
-        arrays = (
-            index_array(draft_tokens),
-            jnp.asarray(draft_probs),
-            jnp.asarray(target_probs),
-            jnp.asarray(accept_uniforms),
-            jnp.asarray(sample_uniforms),
-        )
+    @eqx.filter_jit
+    def checked(*arrays: Array) -> StepOutput:
         check_structure(*arrays, None)
         arrays = (as_index(arrays[0]), *arrays[1:])
         batch = arrays[0].shape[0]
@@ -129,7 +119,23 @@ def sharded_step(
                 )
         return run(*arrays)
 
-    return eqx.filter_jit(sharded)
+    def sharded(
+        draft_tokens: ArrayLike,
+        draft_probs: ArrayLike,
+        target_probs: ArrayLike,
+        accept_uniforms: ArrayLike,
+        sample_uniforms: ArrayLike,
+    ) -> StepOutput:
+        # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
+        return checked(
+            index_array(draft_tokens),
+            jnp.asarray(draft_probs),
+            jnp.asarray(target_probs),
+            jnp.asarray(accept_uniforms),
+            jnp.asarray(sample_uniforms),
+        )
+
+    return sharded
 
 
 def _check_default_pieces(step: SpeculativeStep) -> None:
