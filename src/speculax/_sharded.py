@@ -102,11 +102,23 @@ def sharded_step(
         run = _vocab_sharded(step, mesh, batch_axis, vocab_axis)
 
     @eqx.filter_jit
-    def checked(*arrays: Array) -> StepOutput:
-        check_structure(*arrays, None)
-        arrays = (as_index(arrays[0]), *arrays[1:])
-        batch = arrays[0].shape[0]
-        vocab = arrays[2].shape[-1]
+    def checked(
+        draft_tokens: Array,
+        draft_probs: Array,
+        target_probs: Array,
+        accept_uniforms: Array,
+        sample_uniforms: Array,
+    ) -> StepOutput:
+        check_structure(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+            None,
+        )
+        batch = draft_tokens.shape[0]
+        vocab = target_probs.shape[-1]
         for name, axis, size in (
             ("batch", batch_axis, batch),
             ("vocab", vocab_axis, vocab),
@@ -117,7 +129,13 @@ def sharded_step(
                     f"the {name} size must be divisible by the size of {name}_axis "
                     f"{axis!r}, {devices}; got {size}"
                 )
-        return run(*arrays)
+        return run(
+            as_index(draft_tokens),
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+        )
 
     def sharded(
         draft_tokens: ArrayLike,
