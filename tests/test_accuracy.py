@@ -1,8 +1,10 @@
-"""SPEC 2: the float32 cumulative sums are accurate at real vocabulary sizes.
+"""The judge of the specification: the float32 cumulative sums are accurate at real
+vocabulary sizes.
 
-Judged in float64 exactly as SPEC 2 states: for the drawn token y of a row with
-stopping position n, r(y) > 0, C(y - 1) <= s + 1e-6 and C(y) > s - 1e-6, where r is
-the float64 residual at n normalised and C its float64 cumulative sum.
+Judged in float64 exactly as `docs/specification.md` states: for the drawn token y
+of a row with stopping position n, r(y) > 0, C(y - 1) <= s + 1e-6 and
+C(y) > s - 1e-6, where r is the float64 residual at n normalised and C its float64
+cumulative sum.
 """
 
 import jax
@@ -21,7 +23,7 @@ BLOCK = 256
 
 
 def _residual64(n, draft_probs, target_probs):
-    """The float64 residual r of SPEC 1.3 for one row (numpy arrays of that row)."""
+    """The float64 residual r of one row (numpy arrays of that row)."""
     p = np.asarray(target_probs[n], np.float64)
     num_draft = draft_probs.shape[0]
     w = (
@@ -35,7 +37,7 @@ def _residual64(n, draft_probs, target_probs):
 
 
 def _judge_token(r, s, y):
-    """The SPEC 2 (b) judge; returns a message, or None when y is right."""
+    """Part (b) of the judge; returns a message, or None when y is right."""
     if not 0 <= y < r.shape[0]:
         return f"token {y} outside [0, {r.shape[0]})"
     if not r[y] > 0:
@@ -146,7 +148,7 @@ def test_realistic_batch_at_128256(row_access):
     tokens = np.asarray(out["tokens"])
     for b in range(size.batch):
         n = int(num_accepted[b])
-        # SPEC 2 (a): the count n against float64 tests, with a tolerance band.
+        # Part (a) of the judge: the count n against float64 tests, within a tolerance.
         for i in range(size.num_draft):
             q = float(draft_probs[b, i, draft_tokens[b, i]])
             p = float(target_probs[b, i, draft_tokens[b, i]])

@@ -1,5 +1,5 @@
-"""SPEC section 3: every bad input gets the right error, every odd-but-valid input the
-right answer, eagerly, under `jit` and under `vmap`.
+"""The specification's "Bad input": every bad input gets the right error, every
+odd-but-valid input the right answer, eagerly, under `jit` and under `vmap`.
 
 `CASES` is the library's documented behaviour on bad input, kept in one table.
 """
@@ -485,8 +485,9 @@ def test_structure_errors_need_no_runtime_type_checker():
 
 @pytest.mark.parametrize("mode", ["one batch", "vmap"])
 def test_the_first_failing_check_is_reported(mode):
-    """Every check runs, and the one reported is the first in the order of SPEC 3's
-    table (a token before a uniform), whichever row or vmapped example fails it."""
+    """Every check runs, and the one reported is the first in the order of the
+    specification's table (a token before a uniform), whichever row or vmapped
+    example fails it."""
     import speculax
 
     bad_uniform = random_inputs(11, BATCH, DRAFT, VOCAB)

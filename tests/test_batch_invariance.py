@@ -1,4 +1,4 @@
-"""SPEC 2, batch invariance: row b's output depends on row b's inputs alone, bit for
+"""Batch invariance: row b's output depends on row b's inputs alone, bit for
 bit, whatever batch it is computed in and wherever it sits there.
 """
 

@@ -1,4 +1,4 @@
-"""The worked examples of SPEC section 1, through every entry point."""
+"""The worked examples of the specification, through every entry point."""
 
 import equinox as eqx
 import jax

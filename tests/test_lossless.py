@@ -1,4 +1,5 @@
-"""SPEC 2, lossless: token k of the output, given n >= k, is distributed as p_k.
+"""Lossless (the specification's theorem): token k of the output, given n >= k, is
+distributed as p_k.
 
 Proved two ways: exactly, by enumeration with `speculax.testing`, and statistically,
 by a chi-square test of the real compiled step; each way is shown to catch a lossy

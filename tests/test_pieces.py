@@ -64,7 +64,7 @@ TARGET = [[[0.04, 0.44, 0.24, 0.28], [0.27, 0.36, 0.23, 0.14], [0.19, 0.34, 0.07
     "n, expected",
     [
         (0, [0.0, 0.0, 0.2, 0.11]),  # max(p_0 - q_0, 0)
-        (1, [0.15, 0.0, 0.0, 0.11]),  # max(p_1 - q_1, 0), the SPEC's example
+        (1, [0.15, 0.0, 0.0, 0.11]),  # max(p_1 - q_1, 0), the first worked example
         (2, [0.19, 0.34, 0.07, 0.4]),  # n = G: the bonus distribution p_G
     ],
 )
@@ -100,7 +100,7 @@ def test_residual_without_draft_positions_is_p_0():
 @pytest.mark.parametrize(
     "weights, s, expected",
     [
-        ([0.15, 0.0, 0.0, 0.11], 0.92, 3),  # the SPEC's example
+        ([0.15, 0.0, 0.0, 0.11], 0.92, 3),  # the first worked example
         ([0.15, 0.0, 0.0, 0.11], 0.5, 0),
         ([0.15, 0.0, 0.0, 0.11], 0.0, 0),
         ([0.0, 0.0, 2.0, 0.0], 0.0, 2),  # never a zero-weight token, even at s = 0

@@ -1,4 +1,5 @@
-"""Every answer is right by SPEC 2's float64 judge, over many shapes and inputs."""
+"""Every answer is right by the float64 judge of the specification, over many shapes
+and inputs."""
 
 import functools
 import unittest.mock

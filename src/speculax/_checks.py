@@ -1,4 +1,5 @@
-"""The checks of SPEC section 3: structure at trace time, values at run time."""
+"""The checks of bad input (`docs/specification.md`, "Bad input"): structure at
+trace time, values at run time."""
 
 from collections.abc import Sequence
 from typing import TypeAlias
