@@ -1,5 +1,6 @@
-// MathJax configuration for pymdownx.arithmatex (generic mode), as in the Material
-// for MkDocs documentation. Loaded before MathJax itself; see mkdocs.yml.
+// MathJax configuration for pymdownx.arithmatex (generic mode). Loaded before the
+// vendored MathJax itself (docs/_static/mathjax, see scripts/vendor_mathjax.sh), so
+// that the site renders its formulas offline.
 window.MathJax = {
   tex: {
     inlineMath: [["\\(", "\\)"]],
@@ -13,14 +14,24 @@ window.MathJax = {
   },
 };
 
-// Re-typeset after Material's instant navigation swaps the page content.
+// Material emits document$ once on load and again after each instant-navigation page
+// swap. The first page is typeset by MathJax's own startup, so only later emissions
+// re-typeset, each chained after the work before it. The output's font cache is left
+// alone: clearing it mid-typeset left the formulas blank (mkdocs-material #6407,
+// #6661).
 if (typeof document$ !== "undefined") {
+  let firstPage = true;
   document$.subscribe(() => {
-    if (window.MathJax && MathJax.typesetPromise) {
-      MathJax.startup.output.clearCache();
-      MathJax.typesetClear();
-      MathJax.texReset();
-      MathJax.typesetPromise();
+    if (firstPage) {
+      firstPage = false;
+      return;
+    }
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      MathJax.startup.promise = MathJax.startup.promise.then(() => {
+        MathJax.typesetClear();
+        MathJax.texReset();
+        return MathJax.typesetPromise();
+      });
     }
   });
 }

@@ -1,0 +1,141 @@
+"""The documentation site in a real browser: every page of the built site, served on
+the loopback interface and loaded in headless Chromium, with every formula rendered
+by the vendored MathJax, every image loaded and no console error.
+
+Needs the `docs` extra (MkDocs, Selenium) and Debian's `chromium` and
+`chromium-driver`, which `.ci/run` installs. Without them the test is skipped, except
+under CI (`CI=true`), where a skip would hide a broken site.
+"""
+
+import functools
+import http.server
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+MISSING = [
+    name
+    for name, found in [
+        ("chromium", CHROMIUM),
+        ("chromedriver", CHROMEDRIVER),
+        ("mkdocs", importlib.util.find_spec("mkdocs")),
+        ("selenium", importlib.util.find_spec("selenium")),
+    ]
+    if not found
+]
+if MISSING and os.environ.get("CI") != "true":
+    pytest.skip(
+        f"needs {', '.join(MISSING)} (installed by .ci/run)", allow_module_level=True
+    )
+
+# What the page shows as text, code blocks left out (code may hold a backslash and a
+# parenthesis, as in a regular expression).
+_VISIBLE_TEXT = """
+const body = document.body.cloneNode(true);
+body.querySelectorAll("pre, code, script, style").forEach((node) => node.remove());
+return body.innerText;
+"""
+_AFTER_MATHJAX = """
+const done = arguments[arguments.length - 1];
+if (!window.MathJax || !MathJax.startup || !MathJax.startup.promise) {
+  done("MathJax did not load");
+} else {
+  MathJax.startup.promise.then(() => done(null), (error) => done(String(error)));
+}
+"""
+_FORMULAS = """
+const formulas = Array.from(document.querySelectorAll(".arithmatex"));
+return [formulas.length,
+        formulas.filter((node) => !node.querySelector("mjx-container")).length,
+        document.querySelectorAll("mjx-container").length];
+"""
+_BROKEN_IMAGES = """
+return Array.from(document.images)
+  .filter((image) => !(image.complete && image.naturalWidth > 0))
+  .map((image) => image.src);
+"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built strictly and served on 127.0.0.1 for the module's tests."""
+    directory = tmp_path_factory.mktemp("site")
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"]
+    subprocess.run([*build, "--site-dir", str(directory)], cwd=ROOT, check=True)
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield directory, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu"):
+        options.add_argument(argument)
+    options.add_argument("--window-size=1280,1024")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def _pages() -> list[str]:
+    """The pages of the navigation, as paths of the built site."""
+    import re
+
+    nav = re.findall(r":\s*([\w/.-]+)\.md\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return ["" if page == "index" else f"{page}/" for page in nav]
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_page_renders_in_a_browser(page, site, browser):
+    _, url = site
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(f"{url}/{page}")
+    assert browser.execute_async_script(_AFTER_MATHJAX) is None
+    text = browser.execute_script(_VISIBLE_TEXT)
+    for raw in ("\\(", "\\)", "\\[", "\\]", "$$"):
+        assert raw not in text, f"raw TeX {raw!r} left on {page or 'index'}"
+    formulas, unrendered, containers = browser.execute_script(_FORMULAS)
+    assert unrendered == 0, f"{unrendered} of {formulas} formulas not rendered"
+    assert containers >= formulas
+    assert browser.execute_script(_BROKEN_IMAGES) == []
+    errors = [
+        entry["message"]
+        for entry in browser.get_log("browser")
+        if entry["level"] == "SEVERE"
+    ]
+    assert errors == []
+
+
+def test_the_pages_with_math_are_checked(site, browser):
+    """A guard for the test itself: the pages that hold formulas are visited, and
+    MathJax renders them there (a typo in the selectors would pass vacuously)."""
+    _, url = site
+    browser.get(f"{url}/specification/")
+    assert browser.execute_async_script(_AFTER_MATHJAX) is None
+    formulas, unrendered, containers = browser.execute_script(_FORMULAS)
+    assert formulas > 20 and unrendered == 0 and containers >= formulas
