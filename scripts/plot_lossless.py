@@ -1,4 +1,4 @@
-"""Draws docs/images/lossless.png: the step's output matches the target, not the draft.
+"""Draws docs/images/lossless.svg: the step's output matches the target, not the draft.
 
 Runs the real [`speculax.SpeculativeStep`][] on many independent rows that share one
 set of distributions $q_i$, $p_i$, with every draft token drawn from its $q_i$ and
@@ -7,7 +7,7 @@ fresh uniforms per row, then plots the empirical distribution of output token $k
 
 Usage (a docs-time tool; needs the `docs` extra for matplotlib):
 
-    python scripts/plot_lossless.py [--output docs/images/lossless.png]
+    python scripts/plot_lossless.py [--output docs/images/lossless.svg]
 """
 
 import argparse
@@ -25,7 +25,10 @@ import numpy as np
 import speculax
 
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs/images/lossless.png"
+# Vector output, sharp at any zoom; text stays text, so the file stays small.
+matplotlib.rcParams["svg.fonttype"] = "none"
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs/images/lossless.svg"
 
 
 def simulate(
@@ -74,7 +77,7 @@ def plot(
     empirical = counts / counts.sum()
     total_variation = 0.5 * float(np.abs(empirical - p[position]).sum())
 
-    fig, ax = plt.subplots(figsize=(7.0, 3.2), dpi=100)
+    fig, ax = plt.subplots(figsize=(7.0, 3.2))
     v = np.arange(vocab)
     width = 0.4
     ax.bar(

@@ -169,6 +169,6 @@ def test_nav_pages_exist():
 
 
 def test_figure_is_small():
-    figure = DOCS / "images/lossless.png"
+    figure = DOCS / "images/lossless.svg"
     assert figure.exists()
     assert figure.stat().st_size < 100_000
