@@ -205,3 +205,17 @@ def test_any_value_gives_a_result_or_one_line(name, value, tmp_path_factory, cap
 def test_any_bytes_give_one_line(data, tmp_path_factory, capsys):
     path = tmp_path_factory.mktemp("bytes")
     _assert_one_line(*_run_text(data, path, capsys))
+
+
+def test_the_documented_usage_is_the_parser_s(monkeypatch, capsys):
+    """The usage block at the top of docs/cli.md is `speculax --help`, verbatim."""
+    from pathlib import Path
+
+    from speculax._cli import main
+
+    page = (Path(__file__).resolve().parent.parent / "docs/cli.md").read_text()
+    documented = page.split("```text\n", 1)[1].split("```\n", 1)[0]
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out == documented
