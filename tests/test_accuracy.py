@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import speculax
+from doubles import DelegatingResidual
 from inputs import LARGEST_BELOW_ONE
 from speculax._bench import Size, make_inputs
 
@@ -82,17 +83,9 @@ def _sample_uniforms(p):
 def _steps():
     # The default step (fast path) and one whose sampler gets weights that are not
     # the residual's own output (the generic path).
-    class Delegating(speculax.AbstractResidual):
-        # The default residual's weights, computed by a piece the step does not know,
-        # so that the sampler reads them as an array.
-        inner: speculax.Residual = speculax.Residual()
-
-        def __call__(self, num_accepted, draft_tokens, draft_probs, target_probs):
-            return self.inner(num_accepted, draft_tokens, draft_probs, target_probs)
-
     return {
         "fast": speculax.SpeculativeStep(),
-        "generic": speculax.SpeculativeStep(residual=Delegating()),
+        "generic": speculax.SpeculativeStep(residual=DelegatingResidual()),
     }
 
 

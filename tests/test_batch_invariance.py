@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import speculax
+from doubles import DelegatingResidual
 
 
 VOCAB = 32_000
@@ -145,16 +146,6 @@ def _boundary_uniforms(inputs, num_accepted) -> np.ndarray:
     return s
 
 
-class _Delegating(speculax.AbstractResidual):
-    """The default residual's weights from a piece the step does not know, so that
-    the sampler reads them as a `(batch, vocab)` array (the generic path)."""
-
-    inner: speculax.Residual = speculax.Residual()
-
-    def __call__(self, num_accepted, draft_tokens, draft_probs, target_probs):
-        return self.inner(num_accepted, draft_tokens, draft_probs, target_probs)
-
-
 def _assert_invariant_at_boundaries(step, vocab, dtype):
     with jax.enable_x64(dtype == "float64"):
         # A fresh jit per test: the row strategy is chosen at trace time.
@@ -190,5 +181,5 @@ def test_row_alone_equals_row_in_batch_at_cumulative_sum_boundaries(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sampler_on_weights_is_batch_invariant_at_boundaries(dtype):
     """`InverseCDF` on a `(batch, vocab)` array, as any other residual feeds it."""
-    step = speculax.SpeculativeStep(residual=_Delegating())
+    step = speculax.SpeculativeStep(residual=DelegatingResidual())
     _assert_invariant_at_boundaries(step, 1000, dtype)

@@ -3,6 +3,7 @@ timing assertions.
 """
 
 import json
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,7 @@ def test_memory_target_at_the_issue_size(dtype):
 def test_custom_sampler_gets_the_residual_weights():
     # The cooperation of the default pair must not change what a custom sampler sees.
     class Recording(speculax.AbstractSampler):
+        reads_uniforms: ClassVar[bool] = True
         inner: speculax.InverseCDF = speculax.InverseCDF()
 
         def __call__(self, weights, sample_uniforms):

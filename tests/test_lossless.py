@@ -7,6 +7,7 @@ piece.
 """
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -92,12 +93,16 @@ def test_exact_output_distribution_corners(draft, target, reach):
 class NoSubtractionResidual(speculax.AbstractResidual):
     """Draws the correction from p_n, forgetting what the draft already proposed."""
 
+    reads_draft_probs: ClassVar[bool] = False
+
     def __call__(
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         return target_probs[jnp.arange(num_accepted.shape[0]), num_accepted]
 
@@ -105,12 +110,16 @@ class NoSubtractionResidual(speculax.AbstractResidual):
 class AbsoluteResidual(speculax.AbstractResidual):
     """|p_n - q_n| instead of max(p_n - q_n, 0): over-proposed tokens come back."""
 
+    reads_draft_probs: ClassVar[bool] = True
+
     def __call__(
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         batch = jnp.arange(num_accepted.shape[0])
         target_row = target_probs[batch, num_accepted]
@@ -121,6 +130,9 @@ class AbsoluteResidual(speculax.AbstractResidual):
 
 
 class AlwaysAccept(speculax.AbstractAcceptance):
+    reads_uniforms: ClassVar[bool] = False
+    reads_draft_probs: ClassVar[bool] = False
+
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
@@ -156,6 +168,9 @@ def test_exact_check_flags_lossy_piece(name):
 class UpperHalfAccept(speculax.AbstractAcceptance):
     """Passes for large u: not of the form "passes below a threshold"."""
 
+    reads_uniforms: ClassVar[bool] = True
+    reads_draft_probs: ClassVar[bool] = False
+
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
@@ -169,12 +184,16 @@ class UpperHalfAccept(speculax.AbstractAcceptance):
 class UnclippedResidual(speculax.AbstractResidual):
     """p_n - q_n without the clip: negative weights, which no sampler can use."""
 
+    reads_draft_probs: ClassVar[bool] = True
+
     def __call__(
         self,
         num_accepted: Int[Array, " batch"],
         draft_tokens: Int[Array, "batch draft"],
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
         batch = jnp.arange(num_accepted.shape[0])
         last = draft_probs.shape[1] - 1

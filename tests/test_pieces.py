@@ -1,5 +1,7 @@
 """Each piece alone, against values computed by hand."""
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +164,9 @@ def test_swapping_a_custom_acceptance_changes_the_count():
     import speculax
 
     class AcceptEverything(speculax.AbstractAcceptance):
+        reads_uniforms: ClassVar[bool] = False
+        reads_draft_probs: ClassVar[bool] = False
+
         def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms):
             return jnp.ones(draft_tokens.shape, bool)
 
@@ -195,3 +200,24 @@ def test_abstract_pieces_cannot_be_instantiated():
     ):
         with pytest.raises(TypeError):
             abstract()
+
+
+@pytest.mark.parametrize(
+    "abstract, missing",
+    [
+        ("AbstractAcceptance", "reads_uniforms"),
+        ("AbstractResidual", "reads_draft_probs"),
+        ("AbstractSampler", "reads_uniforms"),
+    ],
+)
+def test_a_piece_must_state_what_it_reads(abstract, missing):
+    """What the step needs to know of a piece is declared abstractly: a piece that
+    does not state it cannot be built, rather than inheriting a silent default."""
+    import speculax
+
+    class Forgetful(getattr(speculax, abstract)):
+        def __call__(self, *args, **kwargs):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match=missing):
+        Forgetful()

@@ -406,32 +406,13 @@ def test_deterministic_drafts_are_lossless():
 @functools.cache
 def _ragged_steps():
     import speculax
-
-    class Delegating(speculax.AbstractResidual):
-        # The default weights through a piece the step does not know: the generic
-        # path, which must agree with the default pair's fused one.
-        inner: speculax.Residual = speculax.Residual()
-
-        def __call__(
-            self,
-            num_accepted,
-            draft_tokens,
-            draft_probs,
-            target_probs,
-            *,
-            num_draft_tokens=None,
-        ):
-            return self.inner(
-                num_accepted,
-                draft_tokens,
-                draft_probs,
-                target_probs,
-                num_draft_tokens=num_draft_tokens,
-            )
+    from doubles import DelegatingResidual
 
     return {
         "default": eqx.filter_jit(speculax.SpeculativeStep()),
-        "generic": eqx.filter_jit(speculax.SpeculativeStep(residual=Delegating())),
+        "generic": eqx.filter_jit(
+            speculax.SpeculativeStep(residual=DelegatingResidual())
+        ),
     }
 
 

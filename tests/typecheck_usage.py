@@ -7,6 +7,8 @@ subclassing a piece, calling the step, indexing its result, and editing it with
 it; it is real code all the same, and `python tests/typecheck_usage.py` runs it.
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,8 @@ import speculax
 class ThresholdAcceptance(speculax.AbstractAcceptance):
     """A custom, lossy acceptance piece: passes when p(x) >= threshold * q(x)."""
 
+    reads_uniforms: ClassVar[bool] = False
+    reads_draft_probs: ClassVar[bool] = True
     threshold: float = 0.5
 
     def __call__(

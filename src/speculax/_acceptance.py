@@ -1,5 +1,5 @@
 import abc
-from typing import ClassVar
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -18,14 +18,18 @@ class AbstractAcceptance(eqx.Module):
     per-position verdicts are returned: the first failure ending the step is the job of
     the prefix count.
 
-    A deterministic test sets the class variable `reads_uniforms = False`, so that a
-    step may be called without `accept_uniforms`; a test that never reads the draft
-    probabilities sets `reads_draft_probs = False`, so that the step's value checks
-    skip them too.
+    Every test states two class variables:
+
+    - `reads_uniforms`: whether it reads `accept_uniforms`; a deterministic test
+        (`False`) lets a step be called without them.
+    - `reads_draft_probs`: whether it reads `draft_probs`; the step's value checks
+        read only what some piece reads.
+
+    The concrete tests are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_uniforms: ClassVar[bool] = True
-    reads_draft_probs: ClassVar[bool] = True
+    reads_uniforms: eqx.AbstractClassVar[bool]
+    reads_draft_probs: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -51,6 +55,7 @@ class AbstractAcceptance(eqx.Module):
         """
 
 
+@final
 class RatioAcceptance(AbstractAcceptance):
     """The rejection-sampling test of speculative decoding: draft token $x_i$ passes
     when $u_i < p_i(x_i) / q_i(x_i)$.
@@ -62,6 +67,9 @@ class RatioAcceptance(AbstractAcceptance):
     else.
     """
 
+    reads_uniforms: ClassVar[bool] = True
+    reads_draft_probs: ClassVar[bool] = True
+
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
@@ -69,19 +77,6 @@ class RatioAcceptance(AbstractAcceptance):
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
-        """**Arguments:**
-
-        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
-        - `draft_probs`: $q_i$, the distribution each draft token was sampled from;
-            `None` for deterministic drafts ($q_i$ the one-hot of $x_i$).
-        - `target_probs`: $p_i$, the target distribution at each position, with one
-            extra position $p_G$ after the last draft token.
-        - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
-
-        **Returns:**
-
-        A boolean array of shape `(batch, draft)`: whether $u_i < p_i(x_i)/q_i(x_i)$.
-        """
         draft_target, draft_draft = draft_token_probs(
             draft_tokens, draft_probs, target_probs
         )
@@ -110,6 +105,7 @@ def draft_token_probs(
     return target, upcast(draft_probs[rows, positions, draft_tokens])
 
 
+@final
 class GreedyAcceptance(AbstractAcceptance):
     """Greedy verification: draft token $x_i$ passes when it is the target's most
     likely token at its position, $x_i = \\arg\\max_v p_i(v)$, ties going to the
@@ -131,21 +127,11 @@ class GreedyAcceptance(AbstractAcceptance):
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
-        """**Arguments:**
-
-        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
-        - `draft_probs`: not read.
-        - `target_probs`: $p_i$, the target distribution at each position.
-        - `accept_uniforms`: not read.
-
-        **Returns:**
-
-        A boolean array of shape `(batch, draft)`: whether $x_i$ is the argmax of $p_i$.
-        """
         num_draft = draft_tokens.shape[1]
         return jnp.argmax(target_probs[:, :num_draft], axis=-1) == draft_tokens
 
 
+@final
 class TypicalAcceptance(AbstractAcceptance):
     """Typical acceptance (Medusa, Cai et al. 2024): draft token $x_i$ passes when
     $p_i(x_i) > \\min(\\epsilon, \\alpha \\exp(-H(p_i)))$, with $H$ the entropy of
@@ -162,9 +148,9 @@ class TypicalAcceptance(AbstractAcceptance):
     **Arguments:**
 
     - `epsilon`: the hard threshold $\\epsilon$ (Medusa's `posterior_threshold`),
-        in `(0, 1]`.
+        in `(0, 1]`. Default 0.09.
     - `alpha`: the entropy-scaled threshold $\\alpha$ (Medusa's `posterior_alpha`),
-        non-negative.
+        non-negative. Default 0.3.
     """
 
     reads_uniforms: ClassVar[bool] = False
@@ -185,18 +171,6 @@ class TypicalAcceptance(AbstractAcceptance):
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
-        """**Arguments:**
-
-        - `draft_tokens`: $x_i$, the draft token at each position, in `[0, vocab)`.
-        - `draft_probs`: not read.
-        - `target_probs`: $p_i$, the target distribution at each position.
-        - `accept_uniforms`: not read.
-
-        **Returns:**
-
-        A boolean array of shape `(batch, draft)`: whether
-        $p_i(x_i) > \\min(\\epsilon, \\alpha e^{-H(p_i)})$.
-        """
         num_draft = draft_tokens.shape[1]
         target = upcast(target_probs[:, :num_draft])
         entropy = jnp.sum(jax.scipy.special.entr(target), axis=-1)

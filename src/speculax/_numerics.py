@@ -71,6 +71,11 @@ def as_index(x: Integer[Array, "*shape"]) -> Int[Array, "*shape"]:
     return jnp.where(fits, x.astype(jnp.int32), -1)
 
 
+# The number of vocabulary entries the sampler sums into one block: the only place
+# this number is written.
+BLOCK_SIZE = 256
+
+
 def ordered_block_sums(
     x: Float[Array, "*rows vocab"], block_size: int, lanes: int
 ) -> Float[Array, "*rows blocks"]:

@@ -1,4 +1,5 @@
 import abc
+from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ class AbstractPrefixCount(eqx.Module):
     """Turns per-position verdicts into the number of accepted draft tokens.
 
     Subclass it and implement `__call__` to write your own rule; plug it into
-    [`speculax.SpeculativeStep`][] with `SpeculativeStep(prefix=...)`.
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(prefix=...)`. The concrete
+    count is final: to change it, wrap it in a piece of your own.
     """
 
     @abc.abstractmethod
@@ -24,20 +26,13 @@ class AbstractPrefixCount(eqx.Module):
         """
 
 
+@final
 class PrefixCount(AbstractPrefixCount):
     """Counts the tests passed before the first failure: $n$ is the length of the
     leading run of `True` in each row, or `draft` when every test passes.
     """
 
     def __call__(self, passed: Bool[Array, "batch draft"]) -> Int[Array, " batch"]:
-        """**Arguments:**
-
-        - `passed`: whether each position's acceptance test passed.
-
-        **Returns:**
-
-        An int32 array of shape `(batch,)`: the number of leading `True` per row.
-        """
         # The first failing position, or `draft` where none fails: one reduction
         # where a cumulative product would take a scan.
         num_draft = passed.shape[-1]

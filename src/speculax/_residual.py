@@ -1,5 +1,5 @@
 import abc
-from typing import ClassVar
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -18,16 +18,17 @@ class AbstractResidual(eqx.Module):
     implementation should read only row $n$ of each batch element: the other
     $G$ positions are never needed.
 
-    A residual that supports ragged batches accepts the keyword `num_draft_tokens`
-    (the step passes it only for ragged batches, so a residual without it still works
-    on full ones): drafting stopped at $n$ with a draft to correct when
-    $n < g_b$, and a bonus token is due when $n = g_b$.
+    The step always passes the keyword `num_draft_tokens`, `None` for a full batch:
+    in a ragged batch drafting stopped at $n$ with a draft to correct when $n < g_b$,
+    and a bonus token is due when $n = g_b$.
 
-    A residual that never reads the draft probabilities sets the class variable
-    `reads_draft_probs = False`, so that the step's value checks skip them too.
+    Every residual states the class variable `reads_draft_probs`: whether it reads
+    `draft_probs`; the step's value checks read only what some piece reads.
+
+    The concrete residuals are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_draft_probs: ClassVar[bool] = True
+    reads_draft_probs: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -58,6 +59,7 @@ class AbstractResidual(eqx.Module):
         """
 
 
+@final
 class Residual(AbstractResidual):
     """The residual distribution of speculative decoding.
 
@@ -78,6 +80,8 @@ class Residual(AbstractResidual):
     ordinary `(batch, vocab)` array.
     """
 
+    reads_draft_probs: ClassVar[bool] = True
+
     def __call__(
         self,
         num_accepted: Int[Array, " batch"],
@@ -87,18 +91,6 @@ class Residual(AbstractResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
-        """**Arguments:**
-
-        - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
-        - `draft_tokens`: $x_i$, the draft tokens (read for deterministic drafts).
-        - `draft_probs`: $q_i$, the draft distributions.
-        - `target_probs`: $p_i$, the target distributions, one more position than the
-            drafts.
-
-        **Returns:**
-
-        The weights $w$ of shape `(batch, vocab)` in the arithmetic dtype.
-        """
         target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
         target_row = upcast(target_row)
         num_draft = draft_tokens.shape[1]
@@ -122,6 +114,7 @@ class Residual(AbstractResidual):
         return jnp.where(has_mass, weights, target_row)
 
 
+@final
 class TargetRow(AbstractResidual):
     """The target distribution itself, $w = p_n$, whatever the drafts.
 
@@ -142,16 +135,5 @@ class TargetRow(AbstractResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
-        """**Arguments:**
-
-        - `num_accepted`: $n$, the number of accepted draft tokens, in `[0, draft]`.
-        - `draft_tokens`: not read.
-        - `draft_probs`: not read.
-        - `target_probs`: $p_i$, the target distributions.
-
-        **Returns:**
-
-        The row $p_n$ of shape `(batch, vocab)`, in the arithmetic dtype.
-        """
         del draft_tokens, draft_probs, num_draft_tokens
         return upcast(target_probs[jnp.arange(num_accepted.shape[0]), num_accepted])

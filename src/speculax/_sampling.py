@@ -1,11 +1,11 @@
 import abc
-from typing import ClassVar
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import ordered_block_sums, upcast
+from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
 
 
@@ -14,12 +14,14 @@ class AbstractSampler(eqx.Module):
     driven by one uniform number per element.
 
     Subclass it and implement `__call__` to write your own; plug it into
-    [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`. A
-    deterministic sampler sets the class variable `reads_uniforms = False`, so that a
-    step may be called without `sample_uniforms`.
+    [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`. Every sampler
+    states the class variable `reads_uniforms`: whether it reads `sample_uniforms`; a
+    deterministic one (`False`) lets a step be called without them.
+
+    The concrete samplers are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_uniforms: ClassVar[bool] = True
+    reads_uniforms: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -39,6 +41,7 @@ class AbstractSampler(eqx.Module):
         """
 
 
+@final
 class InverseCDF(AbstractSampler):
     """Inverse-CDF sampling: $y$ is the smallest $v$ with $r(0) + \\dots + r(v) > s$,
     where $r = w / \\sum w$.
@@ -64,11 +67,12 @@ class InverseCDF(AbstractSampler):
 
     **Arguments:**
 
-    - `block_size`: the number of vocabulary entries summed sequentially in one
-        block, a positive static integer. Default 256.
+    - `block_size`: the number of vocabulary entries summed in one block, a
+        positive static integer. Default `BLOCK_SIZE`, 256.
     """
 
-    block_size: int = eqx.field(static=True, default=256)
+    reads_uniforms: ClassVar[bool] = True
+    block_size: int = eqx.field(static=True, default=BLOCK_SIZE)
 
     def __check_init__(self):
         if self.block_size < 1:
@@ -79,16 +83,6 @@ class InverseCDF(AbstractSampler):
         weights: Float[Array, "batch vocab"],
         sample_uniforms: Float[Array, " batch"],
     ) -> Int[Array, " batch"]:
-        """**Arguments:**
-
-        - `weights`: non-negative, not necessarily normalised weights $w$.
-        - `sample_uniforms`: $s$, uniform noise in `[0, 1)`.
-
-        **Returns:**
-
-        An int32 array of shape `(batch,)`: the token $y$ per row, or `-1` for a row
-        with no positive weight.
-        """
         weights = upcast(weights)
         batch, vocab = weights.shape
         block_size = min(self.block_size, vocab)
@@ -107,6 +101,7 @@ class InverseCDF(AbstractSampler):
         )
 
 
+@final
 class Argmax(AbstractSampler):
     """Greedy sampling: $y = \\arg\\max_v w(v)$, ties going to the smallest token id.
     Deterministic: the uniforms are not read.
@@ -119,16 +114,6 @@ class Argmax(AbstractSampler):
         weights: Float[Array, "batch vocab"],
         sample_uniforms: Float[Array, " batch"],
     ) -> Int[Array, " batch"]:
-        """**Arguments:**
-
-        - `weights`: non-negative, not necessarily normalised weights $w$.
-        - `sample_uniforms`: not read.
-
-        **Returns:**
-
-        An int32 array of shape `(batch,)`: the most likely token per row, or `-1` for
-        a row with no positive weight.
-        """
         weights = upcast(weights)
         token = jnp.argmax(weights, axis=-1)
         return jnp.where(jnp.any(weights > 0, axis=-1), token, -1).astype(jnp.int32)

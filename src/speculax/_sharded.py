@@ -22,7 +22,7 @@ from ._checks import (
     stopping_row_failures,
     token_and_uniform_failures,
 )
-from ._numerics import as_index, index_array
+from ._numerics import BLOCK_SIZE, as_index, index_array
 from ._prefix import PrefixCount
 from ._residual import Residual
 from ._sampling import InverseCDF, find_block, find_token
@@ -157,24 +157,22 @@ def sharded_step(
 
 
 def _check_default_pieces(step: SpeculativeStep) -> None:
-    defaults = {
-        "acceptance": RatioAcceptance,
-        "prefix": PrefixCount,
-        "residual": Residual,
-        "sampler": InverseCDF,
+    pieces = {
+        "acceptance": (step.acceptance, RatioAcceptance),
+        "prefix": (step.prefix, PrefixCount),
+        "residual": (step.residual, Residual),
+        "sampler": (step.sampler, InverseCDF),
     }
-    for field, default in defaults.items():
-        piece = getattr(step, field)
+    for field, (piece, default) in pieces.items():
         if type(piece) is not default:
             raise ValueError(
                 f"sharding the vocabulary needs the default pieces; step.{field} is "
                 f"{type(piece).__name__}, not {default.__name__}"
             )
-    block_size = getattr(step.sampler, "block_size", None)
-    if block_size != 256:
+    if isinstance(step.sampler, InverseCDF) and step.sampler.block_size != BLOCK_SIZE:
         raise ValueError(
-            "sharding the vocabulary needs InverseCDF's default block_size 256; got "
-            f"{block_size}"
+            "sharding the vocabulary needs InverseCDF's default block_size "
+            f"{BLOCK_SIZE}; got {step.sampler.block_size}"
         )
 
 
@@ -238,7 +236,7 @@ def _vocab_sharded(
             num_accepted,
             draft_probs,
             target_probs,
-            block_size=256,
+            block_size=BLOCK_SIZE,
             vocab_axis=vocab_axis,
         )
         local_blocks = summary.block_mass.shape[-1]

@@ -15,7 +15,7 @@ from ._checks import (
     sampled_failure,
     stopping_row_failures,
 )
-from ._numerics import as_index, index_array
+from ._numerics import BLOCK_SIZE, as_index, index_array
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._random import KeyArray, uniforms
 from ._residual import AbstractResidual, Residual, TargetRow
@@ -191,11 +191,9 @@ class SpeculativeStep(eqx.Module):
         passed = self.acceptance(
             draft_tokens, draft_probs, target_probs, accept_uniforms
         )
-        ragged = {}
         if num_draft_tokens is not None:
             in_use = jnp.arange(passed.shape[1])[None, :] < num_draft_tokens[:, None]
             passed = passed & in_use
-            ragged = {"num_draft_tokens": num_draft_tokens}
         num_accepted = self.prefix(passed)
         # The default residual and sampler, and only they (not subclasses, which may
         # change what the pieces compute), run as one: drawn from block sums of the
@@ -224,12 +222,16 @@ class SpeculativeStep(eqx.Module):
                     num_accepted,
                     residual_reads,
                     target_probs,
-                    block_size=256,
+                    block_size=BLOCK_SIZE,
                     num_draft_tokens=num_draft_tokens,
                 )
                 failures += stopping_row_failures(summary.row_mass)
             weights = self.residual(
-                num_accepted, draft_tokens, draft_probs, target_probs, **ragged
+                num_accepted,
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                num_draft_tokens=num_draft_tokens,
             )
             drawn = self.sampler(weights, sample_uniforms)
         output: StepOutput = {
@@ -371,14 +373,16 @@ def speculative_step(
     )
 
 
-def greedy_step(**flags: bool) -> SpeculativeStep:
+def greedy_step(
+    *, check_values: bool = True, check_all_probs: bool = False
+) -> SpeculativeStep:
     """The step of greedy verification: a draft token passes when it is the target's
     most likely token, and the correction or bonus token is the target's most likely
     token at the stopping position. No uniforms are read.
 
     **Arguments:**
 
-    - `**flags`: `check_values` and `check_all_probs`, as for
+    - `check_values`, `check_all_probs`: keyword only, as for
         [`speculax.SpeculativeStep`][].
 
     **Returns:**
@@ -402,5 +406,10 @@ def greedy_step(**flags: bool) -> SpeculativeStep:
     ```
     """
     return SpeculativeStep(
-        GreedyAcceptance(), PrefixCount(), TargetRow(), Argmax(), **flags
+        GreedyAcceptance(),
+        PrefixCount(),
+        TargetRow(),
+        Argmax(),
+        check_values=check_values,
+        check_all_probs=check_all_probs,
     )

@@ -292,6 +292,7 @@ def _run_pieces(
         jnp.repeat(sequences, num_draft + 1, axis=0),
         jnp.broadcast_to(q, (num_states, *q.shape)),
         jnp.broadcast_to(p, (num_states, *p.shape)),
+        num_draft_tokens=None,
     )
     return pass_probs, monotone, counts, weights
 

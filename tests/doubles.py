@@ -1,0 +1,25 @@
+"""Test doubles shared by several test files."""
+
+from typing import ClassVar
+
+import speculax
+
+
+class DelegatingResidual(speculax.AbstractResidual):
+    """The default residual's weights, from a piece the step does not know: the step
+    runs it on the generic path, the sampler reading the weights as a
+    `(batch, vocab)` array, which must agree with the default pair's fused path."""
+
+    reads_draft_probs: ClassVar[bool] = True
+    inner: speculax.Residual = speculax.Residual()
+
+    def __call__(
+        self, num_accepted, draft_tokens, draft_probs, target_probs, *, num_draft_tokens
+    ):
+        return self.inner(
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            num_draft_tokens=num_draft_tokens,
+        )
