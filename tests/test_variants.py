@@ -380,6 +380,33 @@ def test_deterministic_drafts_are_one_hot_draft_distributions(seed, shape):
     np.testing.assert_array_equal(out["tokens"], dense["tokens"])
 
 
+@pytest.mark.parametrize("block_size", [1, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deterministic_drafts_take_the_fused_path_on_both_strategies(
+    dtype, block_size, row_access
+):
+    """With the default pieces, draft_probs=None makes q_n a one-hot in the row pass:
+    bit for bit the answer of the explicit one-hot draft_probs, reading only p_n.
+    With blocks of one token every weight is a block sum, so a wrong one shows."""
+    import speculax
+
+    inputs = random_inputs(4, 64, 3, 40, style="peaked")
+    inputs["draft_probs"] = _one_hot(inputs["draft_tokens"], 40)
+    inputs = {
+        name: value.astype(dtype)
+        if value.dtype.kind == "f" and "probs" in name
+        else value
+        for name, value in inputs.items()
+    }
+    step = speculax.SpeculativeStep(sampler=speculax.InverseCDF(block_size))
+    run = jax.jit(lambda *args: step(*args))  # fresh: the strategy is traced in
+    dense = run(*inputs.values())
+    deterministic = run(*dict(inputs, draft_probs=None).values())
+    for name in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(deterministic[name], dense[name])
+    assert 0 < np.asarray(dense["num_accepted"]).mean() < 3
+
+
 def test_deterministic_residual_takes_the_rejected_token_out():
     import speculax
 

@@ -10,17 +10,15 @@ from ._checks import (
     check_all_probs,
     check_structure,
     input_failures,
-    overflow_failure,
     raise_first_failure,
     sampled_failure,
-    stopping_row_failures,
 )
-from ._numerics import BLOCK_SIZE, as_index, index_array
+from ._draw import draw_token
+from ._numerics import as_index, index_array
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._random import KeyArray, uniforms
 from ._residual import AbstractResidual, Residual, TargetRow
-from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
-from ._stopping_rows import stopping_row_summary
+from ._sampling import AbstractSampler, Argmax, InverseCDF
 
 
 # The entry points take JAX arrays, NumPy arrays or nested Python lists, and check their
@@ -174,20 +172,17 @@ class SpeculativeStep(eqx.Module):
         )
         if self.check_all_probs:
             draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
-        # The checks read only the draft probabilities that a piece reads.
-        acceptance_reads = draft_probs if self.acceptance.reads_draft_probs else None
-        residual_reads = draft_probs if self.residual.reads_draft_probs else None
         failures = []
         if self.check_values:
             failures += input_failures(
                 draft_tokens,
-                acceptance_reads,
+                # The checks read only the draft probabilities that a piece reads.
+                draft_probs if self.acceptance.reads_draft_probs else None,
                 target_probs,
                 accept_uniforms,
                 sample_uniforms,
                 num_draft_tokens,
             )
-
         passed = self.acceptance(
             draft_tokens, draft_probs, target_probs, accept_uniforms
         )
@@ -195,51 +190,23 @@ class SpeculativeStep(eqx.Module):
             in_use = jnp.arange(passed.shape[1])[None, :] < num_draft_tokens[:, None]
             passed = passed & in_use
         num_accepted = self.prefix(passed)
-        # The default residual and sampler, and only they (not subclasses, which may
-        # change what the pieces compute), run as one: drawn from block sums of the
-        # stopping rows without materialising the weights. Any other pair runs as
-        # written, the sampler reading the residual's (batch, vocab) weights.
-        if (
-            type(self.residual) is Residual
-            and type(self.sampler) is InverseCDF
-            and draft_probs is not None
-        ):
-            summary = stopping_row_summary(
-                num_accepted,
-                draft_probs,
-                target_probs,
-                block_size=self.sampler.block_size,
-                num_draft_tokens=num_draft_tokens,
-            )
-            if self.check_values:
-                failures += stopping_row_failures(summary.row_mass)
-                failures.append(overflow_failure(summary.row_mass))
-            drawn = sample_residual(summary, sample_uniforms)
-        else:
-            if self.check_values:
-                # Only the summary's flags are read, whatever its block size.
-                summary = stopping_row_summary(
-                    num_accepted,
-                    residual_reads,
-                    target_probs,
-                    block_size=BLOCK_SIZE,
-                    num_draft_tokens=num_draft_tokens,
-                )
-                failures += stopping_row_failures(summary.row_mass)
-            weights = self.residual(
-                num_accepted,
-                draft_tokens,
-                draft_probs,
-                target_probs,
-                num_draft_tokens=num_draft_tokens,
-            )
-            drawn = self.sampler(weights, sample_uniforms)
+        drawn, row_failures = draw_token(
+            self.residual,
+            self.sampler,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
+            check_values=self.check_values,
+        )
         output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
             "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
         }
         if self.check_values:
-            failures.append(sampled_failure(drawn, target_probs.shape[-1]))
+            failures += [*row_failures, sampled_failure(drawn, target_probs.shape[-1])]
             output = raise_first_failure(output, failures)
         return output
 

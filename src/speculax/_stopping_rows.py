@@ -18,20 +18,34 @@ def stopping_rows(
     num_accepted: Int[Array, " batch"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch positions vocab"],
+    rejected: Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, "batch vocab"], Float[Array, "batch vocab"] | None]:
     """Gathers $p_n$ and $q_n$ in their input dtype.
 
-    $q_n$ is `None` when there are no draft positions or no draft distributions
-    (deterministic drafts); when $n = G$ it is the last draft row, a stand-in that the
-    caller must mask out.
+    For deterministic drafts (`draft_probs=None`) $q_n$ is the one-hot of the draft
+    token `rejected`, made from an iota and never read from memory; it is `None`
+    when there are no draft positions, or no drafts to subtract (`rejected=None`
+    too). When $n = G$ it is the last draft row, a stand-in that the caller must mask
+    out.
     """
     batch = jnp.arange(num_accepted.shape[0])
     target_row = target_probs[batch, num_accepted]
-    if draft_probs is None or draft_probs.shape[1] == 0:
-        return target_row, None
+    vocab = target_probs.shape[-1]
+    if draft_probs is None:
+        if rejected is None:
+            return target_row, None
+        return target_row, _one_hot(rejected, vocab, target_row.dtype)
     num_draft = draft_probs.shape[1]
+    if num_draft == 0:
+        return target_row, None
     draft_row = draft_probs[batch, jnp.minimum(num_accepted, num_draft - 1)]
     return target_row, draft_row
+
+
+def _one_hot(
+    token: Int[Array, "*batch"], vocab: int, dtype
+) -> Float[Array, "*batch vocab"]:
+    return (jnp.arange(vocab) == token[..., None]).astype(dtype)
 
 
 class RowSummary(eqx.Module):
@@ -58,6 +72,7 @@ class RowSummary(eqx.Module):
     subtracting: Bool[Array, " batch"]
     draft_probs: Float[Array, "batch draft vocab"] | None
     target_probs: Float[Array, "batch positions vocab"]
+    rejected: Int[Array, " batch"] | None
     block_size: int = eqx.field(static=True)
 
 
@@ -68,6 +83,7 @@ def stopping_row_summary(
     *,
     block_size: int,
     num_draft_tokens: Int[Array, " batch"] | None = None,
+    draft_tokens: Int[Array, "batch draft"] | None = None,
     per_row: bool | None = None,
     vocab_axis: str | None = None,
 ) -> RowSummary:
@@ -83,8 +99,11 @@ def stopping_row_summary(
     **Arguments:**
 
     - `num_accepted`, `draft_probs`, `target_probs`, `num_draft_tokens`: as for the
-        residual. With `draft_probs=None` (deterministic drafts) the summary covers
-        $p_n$ alone, enough for the value checks.
+        residual.
+    - `draft_tokens`: read only with `draft_probs=None`, for deterministic drafts:
+        $q_n$ is then the one-hot of $x_n$, made in the pass rather than read, so
+        the summary covers $p_n$ with $x_n$ taken out, reading $p_n$ alone. With
+        both `None` the summary covers $p_n$ alone, enough for the value checks.
     - `block_size`: the number of tokens summed into one block (at most the
         vocabulary size is used).
     - `per_row`: `True` loops over the batch (`lax.map` of `dynamic_slice`s: on XLA
@@ -108,10 +127,21 @@ def stopping_row_summary(
     num_draft = target_probs.shape[1] - 1
     limit = num_draft if num_draft_tokens is None else num_draft_tokens
     block_size = min(block_size, target_probs.shape[-1])
+    rejected = None
+    if draft_probs is None and draft_tokens is not None and num_draft > 0:
+        rejected = jnp.take_along_axis(
+            draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
+        )[:, 0]
 
     def summarise_with_mass(subtracting):
         block_mass = _row_block_sums(
-            num_accepted, subtracting, draft_probs, target_probs, block_size, per_row
+            num_accepted,
+            subtracting,
+            draft_probs,
+            target_probs,
+            rejected,
+            block_size,
+            per_row,
         )
         # The barrier keeps XLA from merging this sum with the block sums into one
         # reduction over the rows, which would read them a second time.
@@ -126,7 +156,9 @@ def stopping_row_summary(
         fallback = subtracting & (row_mass == 0)
         return subtracting & ~fallback, jnp.any(fallback)
 
-    subtracting = (num_accepted < limit) & (draft_probs is not None)
+    subtracting = (num_accepted < limit) & (
+        draft_probs is not None or rejected is not None
+    )
     if per_row:
         # A loop of at most two passes, so that the row loop is compiled once.
         def loop_body(state):
@@ -161,6 +193,7 @@ def stopping_row_summary(
         subtracting,
         draft_probs,
         target_probs,
+        rejected,
         block_size,
     )
 
@@ -189,6 +222,8 @@ def block_weights(
     draft = None
     if draft_probs is not None and num_draft > 0:
         draft = draft_probs[rows, jnp.minimum(stop, num_draft - 1), token]
+    elif summary.rejected is not None:
+        draft = (token == summary.rejected[:, None]).astype(target.dtype)
     weights = _weights(target, draft, summary.subtracting[:, None])
     return jnp.where(inside, weights, 0)
 
@@ -214,6 +249,7 @@ def _row_block_sums(
     subtracting: Bool[Array, " batch"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch positions vocab"],
+    rejected: Int[Array, " batch"] | None,
     block_size: int,
     per_row: bool,
 ) -> Float[Array, "batch blocks"]:
@@ -223,7 +259,7 @@ def _row_block_sums(
     Everything a row needs is one elementwise fusion feeding one reduction, so that
     XLA reads each of the two rows once.
     """
-    batch, positions, _ = target_probs.shape
+    batch, positions, vocab = target_probs.shape
     num_draft = positions - 1
 
     # The lane counts measured fastest on XLA CPU: 32 for one float32 row at a time
@@ -247,15 +283,20 @@ def _row_block_sums(
             zero = jnp.zeros((), jnp.int32)
             stop = num_accepted[b].astype(jnp.int32)
             target_row = _slice_row(target_probs, b, stop, zero)
-            if draft_probs is None or num_draft == 0:
+            if draft_probs is not None and num_draft > 0:
+                draft_row = _slice_row(
+                    draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
+                )
+            elif rejected is not None:
+                draft_row = _one_hot(rejected[b], vocab, target_row.dtype)
+            else:
                 return block_sums(target_row, None, None)
-            draft_row = _slice_row(
-                draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
-            )
             return block_sums(target_row, draft_row, subtracting[b])
 
         return jax.lax.map(one_row, jnp.arange(batch, dtype=jnp.int32))
-    target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
+    target_row, draft_row = stopping_rows(
+        num_accepted, draft_probs, target_probs, rejected
+    )
     return block_sums(target_row, draft_row, subtracting[:, None])
 
 

@@ -1,0 +1,80 @@
+"""The correction or bonus token of each row: the residual, then the sampler, run as
+one pass when they are the default pair."""
+
+from jaxtyping import Array, Float, Int
+
+from ._checks import Failure, overflow_failure, stopping_row_failures
+from ._numerics import BLOCK_SIZE
+from ._residual import AbstractResidual, Residual
+from ._sampling import AbstractSampler, InverseCDF, sample_residual
+from ._stopping_rows import stopping_row_summary
+
+
+def draw_token(
+    residual: AbstractResidual,
+    sampler: AbstractSampler,
+    num_accepted: Int[Array, " batch"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    sample_uniforms: Float[Array, " batch"],
+    *,
+    num_draft_tokens: Int[Array, " batch"] | None,
+    check_values: bool,
+) -> tuple[Int[Array, " batch"], list[Failure]]:
+    """Draws the token at each row's stopping position $n$, and returns it with the
+    value checks of the rows it was drawn from (none unless `check_values`).
+
+    **The default pair runs fused.** With exactly [`speculax.Residual`][] and
+    [`speculax.InverseCDF`][] (final classes, so nothing else can change what they
+    compute), one pass over the rows $p_n$ and $q_n$ yields the block sums of the
+    weights (`stopping_row_summary`), and the sampler reads one chosen block of each
+    row again (`sample_residual`): no `(batch, vocab)` weights are made. For
+    deterministic drafts (`draft_probs=None`) $q_n$ is the one-hot of $x_n$, made in
+    the pass, so $p_n$ is the only row read. The value checks read the same pass's
+    row totals.
+
+    **Any other pair runs as written:** the residual's `(batch, vocab)` weights, then
+    the sampler. The value checks then take a pass of their own over the rows, and
+    only when `check_values`.
+
+    **Returns:**
+
+    The drawn tokens, int32 `(batch,)` (`-1` where nothing can be drawn), and the
+    checks of the stopping rows, in the order they are reported.
+    """
+    if type(residual) is Residual and type(sampler) is InverseCDF:
+        summary = stopping_row_summary(
+            num_accepted,
+            draft_probs,
+            target_probs,
+            block_size=sampler.block_size,
+            num_draft_tokens=num_draft_tokens,
+            draft_tokens=draft_tokens,
+        )
+        failures = []
+        if check_values:
+            failures = [
+                *stopping_row_failures(summary.row_mass),
+                overflow_failure(summary.row_mass),
+            ]
+        return sample_residual(summary, sample_uniforms), failures
+    failures = []
+    if check_values:
+        # Only the summary's flags are read, whatever its block size.
+        summary = stopping_row_summary(
+            num_accepted,
+            draft_probs if residual.reads_draft_probs else None,
+            target_probs,
+            block_size=BLOCK_SIZE,
+            num_draft_tokens=num_draft_tokens,
+        )
+        failures = stopping_row_failures(summary.row_mass)
+    weights = residual(
+        num_accepted,
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        num_draft_tokens=num_draft_tokens,
+    )
+    return sampler(weights, sample_uniforms), failures
