@@ -221,3 +221,24 @@ def test_a_piece_must_state_what_it_reads(abstract, missing):
 
     with pytest.raises(TypeError, match=missing):
         Forgetful()
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 256, 300, 1000])
+def test_first_argmax_is_jnp_argmax(vocab):
+    """The blocked argmax that greedy verification uses gives `jnp.argmax`'s answer,
+    ties and infinities included, whether or not the blocks divide the vocabulary;
+    a row with a NaN gets an index inside it."""
+    import jax
+
+    from speculax._numerics import first_argmax
+
+    rng = np.random.default_rng(vocab)
+    values = [0.0, -0.0, 0.5, 1.0, -np.inf, np.inf]
+    rows = rng.choice(values, size=(200, vocab), p=[0.25, 0.1, 0.3, 0.2, 0.1, 0.05])
+    rows = jnp.asarray(rows, jnp.float32)
+    np.testing.assert_array_equal(
+        jax.jit(first_argmax)(rows), jnp.argmax(rows, axis=-1)
+    )
+    with_nan = rows.at[:, vocab // 2].set(jnp.nan)
+    index = np.asarray(jax.jit(first_argmax)(with_nan))
+    assert ((index >= 0) & (index < vocab)).all()

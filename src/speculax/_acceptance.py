@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import upcast
+from ._numerics import first_argmax, upcast
 
 
 class AbstractAcceptance(eqx.Module):
@@ -128,7 +128,7 @@ class GreedyAcceptance(AbstractAcceptance):
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
         num_draft = draft_tokens.shape[1]
-        return jnp.argmax(target_probs[:, :num_draft], axis=-1) == draft_tokens
+        return first_argmax(target_probs[:, :num_draft]) == draft_tokens
 
 
 @final

@@ -5,7 +5,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
+from ._numerics import BLOCK_SIZE, first_argmax, ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
 
 
@@ -115,8 +115,9 @@ class Argmax(AbstractSampler):
         sample_uniforms: Float[Array, " batch"],
     ) -> Int[Array, " batch"]:
         weights = upcast(weights)
-        token = jnp.argmax(weights, axis=-1)
-        return jnp.where(jnp.any(weights > 0, axis=-1), token, -1).astype(jnp.int32)
+        token = first_argmax(weights)
+        has_mass = jnp.take_along_axis(weights, token[:, None], axis=-1)[:, 0] > 0
+        return jnp.where(has_mass, token, -1)
 
 
 def sample_residual(
