@@ -11,20 +11,31 @@ import numpy as np
 import pytest
 
 import speculax
-from speculax._bench import Size, baseline_step, floor, format_table, make_inputs
+from speculax._bench import (
+    Size,
+    argmax_verification,
+    baseline_step,
+    floor,
+    format_table,
+    make_inputs,
+)
 
 
 def test_bench_command_runs_on_tiny_sizes(capsys):
     from speculax._cli import main
 
-    status = main(
-        ["bench", "--sizes", "2x3x300", "3x2x257:bfloat16", "--repeats", "1", "--json"]
-    )
+    sizes = ["2x3x300", "3x2x257:bfloat16", "2x2x300:deterministic", "2x2x300:greedy"]
+    status = main(["bench", "--sizes", *sizes, "--repeats", "1", "--json"])
     assert status == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] == jax.default_backend()
     rows = report["results"]
-    assert [row["size"] for row in rows] == ["2x3x300:float32", "3x2x257:bfloat16"]
+    assert [row["size"] for row in rows] == [
+        "2x3x300:float32",
+        "3x2x257:bfloat16",
+        "2x2x300:float32:deterministic",
+        "2x2x300:float32:greedy",
+    ]
     for row in rows:
         for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s"):
             assert row[key] > 0
@@ -32,7 +43,8 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
         assert 0 <= row["temp_bytes"] <= row["temp_limit_bytes"]
     table = format_table(rows)
-    assert table.count("\n") == 3 and "| 2 | 3 | 300 | float32 |" in table
+    assert table.count("\n") == 5 and "| 2 | 3 | 300 | float32 | default |" in table
+    assert "| 2 | 2 | 300 | float32 | greedy |" in table
 
 
 def test_bench_table_without_json(capsys):
@@ -43,7 +55,9 @@ def test_bench_table_without_json(capsys):
     assert "baseline / speculax" in out and "| 1 | 1 | 64 | float32 |" in out
 
 
-@pytest.mark.parametrize("bad", ["64x5", "ax5x3", "1x1x8:int8", "0x1x8"])
+@pytest.mark.parametrize(
+    "bad", ["64x5", "ax5x3", "1x1x8:int8", "0x1x8", "1x1x8:greedy:deterministic"]
+)
 def test_bench_rejects_a_bad_size(bad, capsys):
     from speculax._cli import main
 
@@ -62,14 +76,36 @@ def test_baseline_and_step_agree(size):
     np.testing.assert_array_equal(got["tokens"], expected["tokens"])
 
 
-def test_floor_reads_the_two_rows():
+def test_floor_reads_the_arrays_it_is_given():
     inputs = make_inputs(Size(3, 2, 100), seed=4)
     target_row, draft_row = inputs[2][:, 0], inputs[1][:, 0]
     np.testing.assert_allclose(
         jax.jit(floor)(target_row, draft_row),
-        jnp.sum(target_row, -1) + jnp.sum(draft_row, -1),
+        jnp.sum(target_row) + jnp.sum(draft_row),
         rtol=1e-6,
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_variants_baselines_agree_with_their_steps(seed):
+    """The deterministic row's baseline is the step with one-hot draft_probs; the
+    greedy row's is a plain argmax verification: each gives the step's answer."""
+    tokens, _, target, accept, sample = make_inputs(Size(6, 4, 700), seed=seed)
+    # Drafts that are often the target's argmax, so that greedy runs get long.
+    argmax = jnp.argmax(target[:, :4], axis=-1).astype(jnp.int32)
+    keep = jax.random.uniform(jax.random.key(seed), tokens.shape) < 0.7
+    tokens = jnp.where(keep, argmax, tokens)
+    greedy = jax.jit(speculax.greedy_step())(tokens, None, target)
+    plain = jax.jit(argmax_verification)(tokens, target)
+    for name in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(greedy[name], plain[name])
+    assert np.asarray(greedy["num_accepted"]).max() > 0
+    one_hot = jax.nn.one_hot(tokens, 700, dtype=target.dtype)
+    step = jax.jit(speculax.SpeculativeStep())
+    deterministic = step(tokens, None, target, accept, sample)
+    explicit = step(tokens, one_hot, target, accept, sample)
+    for name in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(deterministic[name], explicit[name])
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")

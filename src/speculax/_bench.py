@@ -9,6 +9,15 @@ Three jitted functions run side by side in one process on the same inputs:
 - **floor**: a function that only reads what the step must read, two `V`-long rows per
     batch element: the sums of `p[:, 0]` and `q[:, 0]` taken from contiguous `(B, V)`
     arrays. No implementation of the step can beat it by much.
+
+Two variants compare against what a user would otherwise run:
+
+- **deterministic** drafts (`draft_probs=None`): the baseline is the same default step
+    given the drafts as an explicit one-hot `draft_probs`; the floor reads one row,
+    $p_n$.
+- **greedy** verification (`greedy_step()`): the baseline is a plain argmax
+    verification written in JAX (`jnp.argmax` over every target row); the floor is one
+    flat sum over all of `target_probs`, which greedy verification must read.
 """
 
 import dataclasses
@@ -22,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._step import SpeculativeStep
+from ._step import SpeculativeStep, greedy_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,28 +42,42 @@ class Size:
     num_draft: int
     vocab: int
     dtype: str = "float32"
+    variant: str = "default"
 
     @classmethod
     def parse(cls, text: str) -> "Size":
-        """Parses `BxGxV` or `BxGxV:dtype`, e.g. `64x5x128256:bfloat16`."""
-        shape, _, dtype = text.partition(":")
+        """Parses `BxGxV`, optionally followed by `:dtype` and `:variant` in either
+        order, e.g. `64x5x128256:bfloat16` or `64x5x128256:greedy`.
+        """
+        shape, *options = text.split(":")
         try:
             batch, num_draft, vocab = (int(part) for part in shape.split("x"))
         except ValueError:
             raise ValueError(
-                f"a size must look like BxGxV or BxGxV:dtype; got {text!r}"
+                f"a size must look like BxGxV[:dtype][:variant]; got {text!r}"
             ) from None
-        dtype = dtype or "float32"
+        dtypes = [option for option in options if option not in VARIANTS]
+        variants = [option for option in options if option in VARIANTS]
+        if len(dtypes) > 1 or len(variants) > 1:
+            raise ValueError(f"at most one dtype and one variant; got {text!r}")
+        dtype = dtypes[0] if dtypes else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(
-                f"dtype must be float32, bfloat16 or float16; got {dtype!r}"
+                f"dtype must be float32, bfloat16 or float16, and a variant one of "
+                f"{', '.join(VARIANTS)}; got {dtype!r}"
             )
         if batch < 1 or num_draft < 1 or vocab < 1:
             raise ValueError(f"B, G and V must be positive; got {text!r}")
-        return cls(batch, num_draft, vocab, dtype)
+        return cls(
+            batch, num_draft, vocab, dtype, variants[0] if variants else "default"
+        )
 
     def __str__(self) -> str:
-        return f"{self.batch}x{self.num_draft}x{self.vocab}:{self.dtype}"
+        text = f"{self.batch}x{self.num_draft}x{self.vocab}:{self.dtype}"
+        return text if self.variant == "default" else f"{text}:{self.variant}"
+
+
+VARIANTS = ("default", "deterministic", "greedy")
 
 
 DEFAULT_SIZES = (
@@ -63,6 +86,8 @@ DEFAULT_SIZES = (
     Size(64, 5, 128256),
     Size(64, 5, 128256, "bfloat16"),
     Size(8, 4, 262144),
+    Size(64, 5, 128256, variant="deterministic"),
+    Size(64, 5, 128256, variant="greedy"),
 )
 
 
@@ -141,15 +166,63 @@ def baseline_step(
     return {"num_accepted": num_accepted.astype(jnp.int32), "tokens": tokens}
 
 
-def floor(
-    target_row: Float[Array, "batch vocab"], draft_row: Float[Array, "batch vocab"]
-) -> Float[Array, " batch"]:
-    """Reads two `V`-long rows per batch element and nothing else: the least any
-    implementation of the step must read.
+def floor(*arrays: Float[Array, "..."]) -> Float[Array, ""]:
+    """Reads the given arrays once and nothing else (a flat sum of each): given the
+    rows a step must read, the least any implementation of it can read.
     """
-    return jnp.sum(target_row.astype(jnp.float32), axis=-1) + jnp.sum(
-        draft_row.astype(jnp.float32), axis=-1
+    total = jnp.zeros((), jnp.float32)
+    for array in arrays:
+        total = total + jnp.sum(array.astype(jnp.float32))
+    return total
+
+
+def argmax_verification(
+    draft_tokens: Int[Array, "batch draft"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+) -> dict[str, Array]:
+    """Greedy verification as one would write it in JAX: `jnp.argmax` over every
+    target row, the drafts kept up to the first that is not the argmax, then the
+    argmax at that position."""
+    batch, num_draft = draft_tokens.shape
+    argmax = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)
+    matches = argmax[:, :num_draft] == draft_tokens
+    num_accepted = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=-1), axis=-1)
+    drawn = jnp.take_along_axis(argmax, num_accepted[:, None], axis=1)
+    position = jnp.arange(num_draft + 1)[None, :]
+    stop = num_accepted[:, None]
+    padded = jnp.concatenate(
+        [draft_tokens, jnp.full((batch, 1), -1, jnp.int32)], axis=1
     )
+    tokens = jnp.where(position < stop, padded, jnp.where(position == stop, drawn, -1))
+    return {"num_accepted": num_accepted, "tokens": tokens}
+
+
+def _functions(
+    size: Size, inputs: tuple[Array, ...]
+) -> tuple[Callable, tuple, Callable, tuple, tuple]:
+    """The step, the baseline and the floor of a size's variant, each with its
+    arguments."""
+    draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = inputs
+    row_copies = (target_probs[:, 0], draft_probs[:, 0])
+    if size.variant == "deterministic":
+        one_hot = jax.nn.one_hot(draft_tokens, size.vocab, dtype=target_probs.dtype)
+        explicit = (draft_tokens, one_hot, *inputs[2:])
+        return (
+            lambda tokens, p, u, s: SpeculativeStep()(tokens, None, p, u, s),
+            (draft_tokens, target_probs, accept_uniforms, sample_uniforms),
+            SpeculativeStep(),
+            explicit,
+            row_copies[:1],
+        )
+    if size.variant == "greedy":
+        return (
+            lambda tokens, p: greedy_step()(tokens, None, p),
+            (draft_tokens, target_probs),
+            argmax_verification,
+            (draft_tokens, target_probs),
+            (target_probs,),
+        )
+    return SpeculativeStep(), inputs, baseline_step, inputs, row_copies
 
 
 def _timed_compile(function: Callable, *args: Any) -> tuple[Any, float, int]:
@@ -173,11 +246,12 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     1 MiB).
     """
     inputs = make_inputs(size, seed)
-    rows = (inputs[2][:, 0], inputs[1][:, 0])
+    step_fn, step_args, baseline_fn, baseline_args, rows = _functions(size, inputs)
+    # Copies, so that the floor reads contiguous arrays.
     rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))
 
-    step, compile_s, temp_bytes = _timed_compile(SpeculativeStep(), *inputs)
-    baseline, _, _ = _timed_compile(baseline_step, *inputs)
+    step, compile_s, temp_bytes = _timed_compile(step_fn, *step_args)
+    baseline, _, _ = _timed_compile(baseline_fn, *baseline_args)
     floor_fn, _, _ = _timed_compile(floor, *rows)
     times: dict[str, list[float]] = {"baseline": [], "speculax": [], "floor": []}
 
@@ -192,14 +266,14 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     # are warmed up past that, then timed in alternation, call by call, so that a
     # change in the machine's speed (a shared CPU) reaches both alike.
     for _ in range(2):
-        jax.block_until_ready(baseline(*inputs))
+        jax.block_until_ready(baseline(*baseline_args))
     for _ in range(repeats):
-        timed("baseline", baseline, inputs)
+        timed("baseline", baseline, baseline_args)
     for _ in range(3):
-        jax.block_until_ready(step(*inputs))
+        jax.block_until_ready(step(*step_args))
         jax.block_until_ready(floor_fn(*rows))
     for _ in range(repeats):
-        timed("speculax", step, inputs)
+        timed("speculax", step, step_args)
         timed("floor", floor_fn, rows)
     ms = {name: statistics.median(values) for name, values in times.items()}
     return {
@@ -208,6 +282,7 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
         "num_draft": size.num_draft,
         "vocab": size.vocab,
         "dtype": size.dtype,
+        "variant": size.variant,
         "baseline_ms": ms["baseline"],
         "speculax_ms": ms["speculax"],
         "floor_ms": ms["floor"],
@@ -230,12 +305,13 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the results of `run_bench`."""
     # The two ratios first: they are the point; the times behind them follow.
     header = (
-        "| B | G | V | dtype | speculax / floor | baseline / speculax | "
+        "| B | G | V | dtype | variant | speculax / floor | baseline / speculax | "
         "speculax ms | floor ms | baseline ms | temp bytes | compile s |\n"
-        "|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---:|---:|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r['batch']} | {r['num_draft']} | {r['vocab']} | {r['dtype']} "
+        f"| {r['variant']} "
         f"| {r['over_floor']:.2f}x | {r['speedup']:.1f}x "
         f"| {r['speculax_ms']:.2f} | {r['floor_ms']:.2f} | {r['baseline_ms']:.2f} "
         f"| {r['temp_bytes']:,} | {r['compile_s']:.2f} |"

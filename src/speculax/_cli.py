@@ -47,9 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_parser.add_argument(
         "--sizes",
         nargs="+",
-        metavar="BxGxV[:dtype]",
-        help="sizes to run, e.g. 64x5x128256 or 64x5x128256:bfloat16 (default: a "
-        "table from 1x4x32000 to 8x4x262144)",
+        metavar="BxGxV[:dtype][:variant]",
+        help="sizes to run, e.g. 64x5x128256, 64x5x128256:bfloat16 or "
+        "64x5x128256:greedy (variants: deterministic, greedy; default: a table from "
+        "1x4x32000 to 8x4x262144 and both variants at 64x5x128256)",
     )
     bench_parser.add_argument(
         "--repeats", type=int, default=7, help="timed runs per function (median)"
