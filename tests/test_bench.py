@@ -122,6 +122,20 @@ def test_default_step_materialises_no_batch_by_vocab_array(check_values):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
+def test_greedy_step_copies_no_draft_positions():
+    # Greedy verification reads every target row; a slice of them feeding two
+    # reductions would be copied whole, (B, G, V) float32. (At a V that is not a
+    # multiple of the block size the blocked argmax still copies the full blocks:
+    # a known limit, see docs/performance.md.)
+    size = Size(16, 3, 157 * 256)
+    tokens, _, target, _, _ = make_inputs(size)
+    step = speculax.greedy_step()
+    compiled = jax.jit(lambda t, p: step(t, None, p)).lower(tokens, target).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < size.batch * size.num_draft * size.vocab * 4 / 2
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_memory_target_at_the_issue_size(dtype):
     # Issue 4's bound at its size, 2 B V float32 numbers plus 1 MiB, compiled from

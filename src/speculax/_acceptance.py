@@ -128,7 +128,9 @@ class GreedyAcceptance(AbstractAcceptance):
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
         num_draft = draft_tokens.shape[1]
-        return first_argmax(target_probs[:, :num_draft]) == draft_tokens
+        # The argmax of every row, p_G's included, then the first G: a slice of the
+        # input read by two reductions would be copied whole by XLA CPU.
+        return first_argmax(target_probs)[:, :num_draft] == draft_tokens
 
 
 @final
