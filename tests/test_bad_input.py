@@ -521,13 +521,14 @@ def _integer_inputs(vocab: int, dtype: str) -> Inputs:
 
 
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
-@pytest.mark.parametrize("vocab", [300, 70_000])
 @pytest.mark.parametrize("dtype", [*INTEGER_DTYPES, "uint64"])
-def test_every_integer_dtype_is_read_by_value(dtype, vocab, x64):
+def test_every_integer_dtype_is_read_by_value(dtype, x64):
     import speculax
 
+    # V beyond the largest value of every 8- and 16-bit dtype: comparing tokens with
+    # it must not overflow theirs.
     with jax.enable_x64(x64):
-        inputs = _integer_inputs(vocab, dtype)
+        inputs = _integer_inputs(70_000, dtype)
         lengths = np.array([DRAFT, 1], dtype)
         as_int32 = {**inputs, "draft_tokens": inputs["draft_tokens"].astype(np.int32)}
         want = speculax.speculative_step(

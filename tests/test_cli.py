@@ -9,16 +9,8 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
+from speculax._cli import INPUT_NAMES
 from test_examples import WORKED_EXAMPLES
-
-
-INPUT_NAMES = (
-    "draft_tokens",
-    "draft_probs",
-    "target_probs",
-    "accept_uniforms",
-    "sample_uniforms",
-)
 
 
 def _main(argv, capsys):
