@@ -68,7 +68,7 @@ class InverseCDF(AbstractSampler):
     **Arguments:**
 
     - `block_size`: the number of vocabulary entries summed in one block, a
-        positive static integer. Default `BLOCK_SIZE`, 256.
+        positive static integer. Default 256.
     """
 
     reads_uniforms: ClassVar[bool] = True
