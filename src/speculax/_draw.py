@@ -1,12 +1,13 @@
 """The correction or bonus token of each row: the residual, then the sampler, run as
 one pass when they are the default pair."""
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._checks import Failure, overflow_failure, stopping_row_failures
-from ._numerics import BLOCK_SIZE
-from ._residual import AbstractResidual, Residual
-from ._sampling import AbstractSampler, InverseCDF, sample_residual
+from ._numerics import BLOCK_SIZE, first_argmax, upcast
+from ._residual import AbstractResidual, Residual, TargetRow
+from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
 from ._stopping_rows import stopping_row_summary
 
 
@@ -33,6 +34,12 @@ def draw_token(
     deterministic drafts (`draft_probs=None`) $q_n$ is the one-hot of $x_n$, made in
     the pass, so $p_n$ is the only row read. The value checks read the same pass's
     row totals.
+
+    **Greedy verification reads each target row once.** With exactly
+    [`speculax.TargetRow`][] and [`speculax.Argmax`][] the token is the argmax of
+    $p_n$, taken from the argmax of every target row: the same computation as
+    [`speculax.GreedyAcceptance`][]'s, which XLA merges with it, so that no row is
+    read twice and no `(batch, vocab)` copy of $p_n$ is made.
 
     **Any other pair runs as written:** the residual's `(batch, vocab)` weights, then
     the sampler. The value checks then take a pass of their own over the rows, and
@@ -70,6 +77,8 @@ def draw_token(
             num_draft_tokens=num_draft_tokens,
         )
         failures = stopping_row_failures(summary.row_mass)
+    if type(residual) is TargetRow and type(sampler) is Argmax:
+        return _target_argmax(num_accepted, target_probs), failures
     weights = residual(
         num_accepted,
         draft_tokens,
@@ -78,3 +87,16 @@ def draw_token(
         num_draft_tokens=num_draft_tokens,
     )
     return sampler(weights, sample_uniforms), failures
+
+
+def _target_argmax(
+    num_accepted: Int[Array, " batch"],
+    target_probs: Float[Array, "batch positions vocab"],
+) -> Int[Array, " batch"]:
+    """`Argmax` of `TargetRow`'s weights: the argmax of $p_n$, or -1 where its
+    largest weight is zero (below the smallest normal number counting as zero)."""
+    token = jnp.take_along_axis(
+        first_argmax(target_probs), num_accepted[:, None], axis=1
+    )[:, 0]
+    weight = upcast(target_probs[jnp.arange(token.shape[0]), num_accepted, token])
+    return jnp.where(weight > 0, token, -1)
