@@ -45,13 +45,20 @@ const body = document.body.cloneNode(true);
 body.querySelectorAll("pre, code, script, style").forEach((node) => node.remove());
 return body.innerText;
 """
+# Waits for MathJax to load (its script may still be running when the page's load
+# event has fired) and then for its first typeset to finish.
 _AFTER_MATHJAX = """
 const done = arguments[arguments.length - 1];
-if (!window.MathJax || !MathJax.startup || !MathJax.startup.promise) {
-  done("MathJax did not load");
-} else {
-  MathJax.startup.promise.then(() => done(null), (error) => done(String(error)));
-}
+const start = Date.now();
+(function wait() {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    MathJax.startup.promise.then(() => done(null), (error) => done(String(error)));
+  } else if (Date.now() - start > 20000) {
+    done("MathJax did not load");
+  } else {
+    setTimeout(wait, 50);
+  }
+})();
 """
 _FORMULAS = """
 const formulas = Array.from(document.querySelectorAll(".arithmatex"));
