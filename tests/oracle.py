@@ -44,15 +44,8 @@ def residual(
     smallest_normal=FLOAT32_SMALLEST_NORMAL,
 ) -> np.ndarray:
     """The normalised residual distribution $r$ for one row, in float64."""
-    p = flushed(np.asarray(target_probs)[row, num_accepted], smallest_normal)
-    num_draft = np.asarray(draft_probs).shape[1]
-    if num_accepted < num_draft:
-        q = flushed(np.asarray(draft_probs)[row, num_accepted], smallest_normal)
-        w = flushed(np.maximum(p - q, 0), smallest_normal)
-    else:
-        w = p
-    if w.sum() == 0:
-        w = p
+    inputs = {"draft_probs": draft_probs, "target_probs": target_probs}
+    w = stopping_row_weights(inputs, row, num_accepted, smallest_normal)
     return w / w.sum()
 
 
@@ -174,7 +167,7 @@ def stopping_row_weights(
 ) -> np.ndarray:
     """The unnormalised float64 weights drawn from at `n`, after the fallback."""
     p = flushed(np.asarray(inputs["target_probs"])[row, n], smallest_normal)
-    if n < np.asarray(inputs["draft_tokens"]).shape[1]:
+    if n < np.asarray(inputs["draft_probs"]).shape[1]:
         q = flushed(np.asarray(inputs["draft_probs"])[row, n], smallest_normal)
         w = flushed(np.maximum(p - q, 0), smallest_normal)
         if w.sum() > 0:
