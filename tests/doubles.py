@@ -8,10 +8,15 @@ import speculax
 class DelegatingResidual(speculax.AbstractResidual):
     """The default residual's weights, from a piece the step does not know: the step
     runs it on the generic path, the sampler reading the weights as a
-    `(batch, vocab)` array, which must agree with the default pair's fused path."""
+    `(batch, vocab)` array, which must agree with the default pair's fused path.
+    Splits the vocabulary where its inner residual does."""
 
     reads_draft_probs: ClassVar[bool] = True
     inner: speculax.Residual = speculax.Residual()
+
+    @property
+    def axis_name(self) -> str | None:
+        return self.inner.axis_name
 
     def __call__(
         self, num_accepted, draft_tokens, draft_probs, target_probs, *, num_draft_tokens

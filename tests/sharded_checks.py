@@ -6,11 +6,13 @@ process (already running JAX on one device) cannot do. Prints one JSON object.
 import json
 import os
 import re
+import sys
 
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax
+import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 from jax.sharding import Mesh
@@ -20,8 +22,12 @@ from jax.sharding import Mesh
 with jaxtyping.install_import_hook(["speculax"], "beartype.beartype"):
     import speculax
 
+sys.path.insert(0, os.path.dirname(__file__))
+from doubles import DelegatingResidual
+
 
 BATCH, DRAFT, VOCAB = 8, 3, 8 * 256 * 2
+MESHES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
 # The opcode of a collective instruction, after the result shape: `= f32[4,16]{0,1}
 # all-gather(%x), ...`, possibly in its asynchronous form (`all-gather-start`).
 _COLLECTIVE = re.compile(
@@ -31,7 +37,7 @@ _COLLECTIVE = re.compile(
 _SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
 
 
-def inputs(seed: int) -> tuple[np.ndarray, ...]:
+def inputs(seed: int, batch: int = BATCH, num_draft: int = DRAFT) -> dict:
     """Peaked random distributions with the draft tokens drawn from q; row 0 accepts
     every draft (n = G), row 2 stops at a zero residual (p_0 = q_0 and
     p_0(x_0) = q_0(x_0) = 0), which takes the fallback to p_0.
@@ -42,23 +48,144 @@ def inputs(seed: int) -> tuple[np.ndarray, ...]:
         x = rng.gamma(0.3, size=shape)
         return x / x.sum(-1, keepdims=True)
 
-    q = dist((BATCH, DRAFT, VOCAB))
-    p = dist((BATCH, DRAFT + 1, VOCAB))
+    q = dist((batch, num_draft, VOCAB))
+    p = dist((batch, num_draft + 1, VOCAB))
     tokens = np.array(
-        [[rng.choice(VOCAB, p=q[b, i]) for i in range(DRAFT)] for b in range(BATCH)]
-    )
-    q[2, 0, tokens[2, 0]] = 0
-    q[2, 0] /= q[2, 0].sum()
-    p[2, 0] = q[2, 0]
-    accept = rng.random((BATCH, DRAFT))
-    accept[0] = 0
-    sample = rng.random(BATCH)
-    return (
-        tokens.astype(np.int32),
-        q.astype(np.float32),
-        p.astype(np.float32),
-        accept.astype(np.float32),
-        sample.astype(np.float32),
+        [
+            [rng.choice(VOCAB, p=q[b, i]) for i in range(num_draft)]
+            for b in range(batch)
+        ],
+        np.int32,
+    ).reshape(batch, num_draft)
+    accept = rng.random((batch, num_draft))
+    if batch > 2 and num_draft > 0:
+        q[2, 0, tokens[2, 0]] = 0
+        q[2, 0] /= q[2, 0].sum()
+        p[2, 0] = q[2, 0]
+        accept[0] = 0
+    return {
+        "draft_tokens": tokens,
+        "draft_probs": q.astype(np.float32),
+        "target_probs": p.astype(np.float32),
+        "accept_uniforms": accept.astype(np.float32),
+        "sample_uniforms": rng.random(batch).astype(np.float32),
+    }
+
+
+# The row of each failure kind in `with_bad_rows`; the other rows are good.
+BAD_ROWS = {
+    1: "num_draft_tokens_out_of_range",
+    3: "draft_token_out_of_range",
+    5: "accept_uniform_out_of_range",
+    6: "sample_uniform_out_of_range",
+    7: "bad_target_prob_at_draft_token",
+    9: "bad_draft_prob_at_draft_token",
+    10: "bad_target_row",
+    11: "bad_draft_row",
+    12: "target_row_overflows",
+    13: "no_mass",
+}
+
+
+def with_bad_rows() -> dict:
+    """16 rows, one per failure kind of a step without the full scan (`BAD_ROWS`),
+    among good ones. Rows 10 to 13 stop at n = 0, their first draft token having
+    target probability 0.
+    """
+    args = inputs(5, batch=16)
+    tokens, q, p = args["draft_tokens"], args["draft_probs"], args["target_probs"]
+    lengths = np.full(16, DRAFT)
+    lengths[1] = DRAFT + 1
+    tokens[3, 1] = VOCAB
+    args["accept_uniforms"][5, 2] = 1.0
+    args["sample_uniforms"][6] = np.nan
+    p[7, 0, tokens[7, 0]] = -1.0
+    q[9, 0, tokens[9, 0]] = np.nan
+    for row in (10, 11, 12, 13):
+        p[row, 0, tokens[row, 0]] = 0
+    other = (tokens[:, 0] + 1) % VOCAB
+    p[10, 0, other[10]] = np.nan
+    q[11, 0, other[11]] = np.nan
+    p[12, 0, :8] = 2e38
+    p[13, 0] = 0
+    return {**args, "num_draft_tokens": lengths}
+
+
+def variants() -> dict:
+    """Each variant: a step (pieces without an axis name) and its inputs."""
+    base = inputs(0)
+    no_uniforms = {
+        name: base[name] for name in ("draft_tokens", "draft_probs", "target_probs")
+    }
+    # Every target row's largest value twice, half a vocabulary apart (on two
+    # devices whenever the vocabulary is split): the first of the two is the argmax.
+    tied = base["target_probs"].copy()
+    largest = tied.argmax(-1)
+    twin = (largest + VOCAB // 2) % VOCAB
+    np.put_along_axis(tied, twin[..., None], tied.max(-1, keepdims=True), axis=-1)
+    # Drafts the target agrees with in rows 0 and 4 (all accepted) and at the first
+    # position of row 5, so that deterministic and greedy steps accept some.
+    agreeing = base["draft_tokens"].copy()
+    argmax = tied[:, :DRAFT].argmax(-1)
+    agreeing[[0, 4]] = argmax[[0, 4]]
+    agreeing[5, 0] = argmax[5, 0]
+    deterministic = {
+        **no_uniforms,
+        "draft_tokens": agreeing,
+        "draft_probs": None,
+        "target_probs": tied,
+    }
+    half = {
+        name: value.astype(jnp.bfloat16) if value.dtype == np.float32 else value
+        for name, value in base.items()
+    }
+    return {
+        "default": (speculax.SpeculativeStep(), base),
+        "key": (speculax.SpeculativeStep(), {**no_uniforms, "key": jax.random.key(3)}),
+        "ragged": (
+            speculax.SpeculativeStep(),
+            {**base, "num_draft_tokens": np.array([3, 0, 1, 2, 3, 1, 0, 2])},
+        ),
+        "deterministic drafts": (
+            speculax.SpeculativeStep(),
+            {
+                **deterministic,
+                "accept_uniforms": np.where(
+                    np.isin(np.arange(BATCH), [0, 4, 5])[:, None],
+                    0,
+                    base["accept_uniforms"],
+                ).astype(np.float32),
+                "sample_uniforms": base["sample_uniforms"],
+            },
+        ),
+        "greedy": (speculax.greedy_step(), deterministic),
+        "typical": (
+            speculax.SpeculativeStep(speculax.TypicalAcceptance()),
+            {**base},
+        ),
+        "unfused pieces": (
+            speculax.SpeculativeStep(
+                residual=DelegatingResidual(), sampler=speculax.Argmax()
+            ),
+            base,
+        ),
+        "G = 0": (speculax.SpeculativeStep(), inputs(1, num_draft=0)),
+        "B = 0": (speculax.SpeculativeStep(), inputs(2, batch=0)),
+        "bfloat16": (speculax.SpeculativeStep(), half),
+        "check_all_probs": (speculax.SpeculativeStep(check_all_probs=True), base),
+        "throw=False": (speculax.SpeculativeStep(throw=False), with_bad_rows()),
+    }
+
+
+def on_axis(step: speculax.SpeculativeStep, axis: str) -> speculax.SpeculativeStep:
+    """`step` with a custom residual told the axis by hand: its `axis_name` is its
+    inner residual's, not a field that `sharded_step` can set."""
+    if not isinstance(step.residual, DelegatingResidual):
+        return step
+    return speculax.SpeculativeStep(
+        speculax.RatioAcceptance(axis_name=axis),
+        residual=DelegatingResidual(speculax.Residual(axis_name=axis)),
+        sampler=speculax.Argmax(axis_name=axis),
     )
 
 
@@ -88,75 +215,105 @@ def large_collectives(hlo: str, sizes: set[int]) -> list[str]:
     return found
 
 
+def same(got: dict, want: dict) -> bool:
+    keys = ("num_accepted", "tokens")
+    equal = all(np.array_equal(got[k], want[k]) for k in keys)
+    codes = got["result"] == want["result"]
+    return equal and bool(np.all(codes))
+
+
+def check_variants(devices: np.ndarray) -> dict:
+    found: dict = {}
+    for name, (step, args) in variants().items():
+        reference = jax.jit(step)(**args)
+        found[name] = {"rows": reference["num_accepted"].tolist()}
+        if name == "throw=False":
+            result = reference["result"]
+            found[name]["failed"] = np.flatnonzero(
+                np.asarray(result != speculax.RESULTS.successful)
+            ).tolist()
+            found[name]["planted"] = {kind: [row] for row, kind in BAD_ROWS.items()}
+            found[name]["rows of each kind"] = {
+                kind: np.flatnonzero(
+                    np.asarray(result == getattr(speculax.RESULTS, kind))
+                ).tolist()
+                for kind in BAD_ROWS.values()
+            }
+        for mesh_name, shape in MESHES.items():
+            mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
+            f = speculax.sharded_step(
+                on_axis(step, "vocab"), mesh, batch_axis="data", vocab_axis="vocab"
+            )
+            entry = {"identical": same(f(**args), reference)}
+            if name in ("default", "greedy", "typical", "check_all_probs"):
+                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
+                sizes = {VOCAB, VOCAB // shape[1]}
+                entry["large_collectives"] = large_collectives(hlo, sizes)
+                entry["collectives"] = len(collectives(hlo))
+            found[name][mesh_name] = entry
+    return found
+
+
+def raised(f, **args) -> str | None:
+    try:
+        jax.block_until_ready(f(**args))
+    except Exception as error:  # Equinox raises an XlaRuntimeError / RuntimeError
+        return str(error)
+    return None
+
+
 def main() -> None:
     devices = np.array(jax.devices())
+    result: dict = {"variants": check_variants(devices)}
+    mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
-    meshes = {
-        f"{d}x{v}": (Mesh(devices.reshape(d, v), ("data", "vocab")), "data", "vocab")
-        for d, v in [(8, 1), (1, 8), (2, 4), (4, 2)]
-    }
-    meshes["vocab8"] = (Mesh(devices, ("v",)), None, "v")
-    meshes["batch8"] = (Mesh(devices, ("b",)), "b", None)
-    cases = [inputs(seed) for seed in range(2)]
-    reference = [jax.jit(step)(*args) for args in cases]
-    result: dict = {"num_accepted": [r["num_accepted"].tolist() for r in reference]}
-    for name, (mesh, batch_axis, vocab_axis) in meshes.items():
-        f = speculax.sharded_step(
-            step, mesh, batch_axis=batch_axis, vocab_axis=vocab_axis
-        )
-        same = all(
-            np.array_equal(f(*args)[k], ref[k])
-            for args, ref in zip(cases, reference, strict=True)
-            for k in ("num_accepted", "tokens")
-        )
-        shards = 1 if vocab_axis is None else mesh.shape[vocab_axis]
-        hlo = jax.jit(f).lower(*cases[0]).compile().as_text()
-        result[name] = {
-            "identical": same,
-            "large_collectives": large_collectives(hlo, {VOCAB, VOCAB // shards}),
-            "collectives": len(collectives(hlo)),
-        }
-    mesh = meshes["vocab8"][0]
     f = speculax.sharded_step(step, mesh, vocab_axis="v")
-    tokens, q, p, accept, sample = cases[0]
+    args = inputs(0)
+    reference = jax.jit(step)(**args)
+    # Inputs already on one device are placed on the mesh.
+    committed = {
+        name: jax.device_put(value, devices[0]) for name, value in args.items()
+    }
+    result["committed"] = same(f(**committed), reference)
+    short = {
+        **args,
+        "draft_probs": args["draft_probs"][..., :-4],
+        "target_probs": args["target_probs"][..., :-4],
+    }
     try:
-        f(tokens, q[..., :-4], p[..., :-4], accept, sample)
+        f(**short)
         result["indivisible"] = None
     except ValueError as error:
         result["indivisible"] = str(error)
-    try:
-        bad = tokens.copy()
-        bad[3, 1] = VOCAB
-        jax.block_until_ready(f(bad, q, p, accept, sample))
-        result["bad_token"] = None
-    except Exception as error:  # Equinox raises an XlaRuntimeError / RuntimeError
-        result["bad_token"] = str(error)
-    # Tokens of any integer dtype are read by value: int8 answers as int32 does, and
+    bad = {name: value.copy() for name, value in args.items()}
+    bad["draft_tokens"][3, 1] = VOCAB
+    result["bad_token"] = raised(f, **bad)
+    # Tokens of any integer dtype are read by value: int16 answers as int32 does, and
     # an int64 2**32 + 1 is out of range, not token 1.
-    narrow = f(tokens.astype(np.int16), q, p, accept, sample)
-    result["int16_identical"] = bool(
-        np.array_equal(narrow["tokens"], reference[0]["tokens"])
-    )
-    try:
-        wide = tokens.astype(np.int64)
-        wide[3, 1] = 2**32 + 1
-        jax.block_until_ready(f(wide, q, p, accept, sample))
-        result["int64_token"] = None
-    except Exception as error:
-        result["int64_token"] = str(error)
-    try:
-        # Row 0 accepts every draft: a p_G of finite values summing past float32.
-        huge = p.copy()
-        huge[0, DRAFT] = 2e38
-        jax.block_until_ready(f(tokens, q, huge, accept, sample))
-        result["overflow"] = None
-    except Exception as error:
-        result["overflow"] = str(error)
-    try:
-        speculax.sharded_step(speculax.greedy_step(), mesh, vocab_axis="v")
-        result["non_default"] = None
-    except ValueError as error:
-        result["non_default"] = str(error)
+    narrow = f(**{**args, "draft_tokens": args["draft_tokens"].astype(np.int16)})
+    result["int16_identical"] = same(narrow, reference)
+    wide = args["draft_tokens"].astype(np.int64)
+    wide[3, 1] = 2**32 + 1
+    result["int64_token"] = raised(f, **{**args, "draft_tokens": wide})
+    # Row 0 accepts every draft: a p_G of finite values summing past float32.
+    huge = args["target_probs"].copy()
+    huge[0, DRAFT] = 2e38
+    result["overflow"] = raised(f, **{**args, "target_probs": huge})
+    refused = {}
+    for name, piece in {
+        "fixed axis": speculax.SpeculativeStep(
+            speculax.RatioAcceptance(axis_name="model"),
+            residual=speculax.Residual(axis_name="model"),
+            sampler=speculax.InverseCDF(axis_name="model"),
+        ),
+        "no axis field": speculax.SpeculativeStep(residual=DelegatingResidual()),
+    }.items():
+        try:
+            speculax.sharded_step(piece, mesh, vocab_axis="v")
+            refused[name] = None
+        except ValueError as error:
+            refused[name] = str(error)
+    result["refused"] = refused
     print(json.dumps(result))
 
 

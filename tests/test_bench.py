@@ -159,6 +159,7 @@ def test_custom_sampler_gets_the_residual_weights():
     # The cooperation of the default pair must not change what a custom sampler sees.
     class Recording(speculax.AbstractSampler):
         reads_uniforms: ClassVar[bool] = True
+        axis_name: ClassVar[None] = None
         inner: speculax.InverseCDF = speculax.InverseCDF()
 
         def __call__(self, weights, sample_uniforms):

@@ -64,7 +64,7 @@ def _with(**changes):
             _with(target_probs=[[[0.1], [0.2, 0.3]]]),
             "target_probs is not a rectangular",
         ),
-        (_with(draft_tokens=[[3, 7]]), "draft_tokens must lie in [0, V) = [0, 4)"),
+        (_with(draft_tokens=[[3, 7]]), "row 0: draft_tokens must lie in [0, V)"),
         (_with(sample_uniforms=[1.0]), "sample_uniforms must lie in [0, 1)"),
     ],
 )

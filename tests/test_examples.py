@@ -74,11 +74,14 @@ WORKED_EXAMPLES = [
 
 
 def _as_lists(out) -> dict:
-    return {name: np.asarray(value).tolist() for name, value in out.items()}
+    return {name: np.asarray(out[name]).tolist() for name in ("num_accepted", "tokens")}
 
 
 def _check_output(out, expected) -> None:
-    assert set(out) == {"num_accepted", "tokens"}
+    import speculax
+
+    assert set(out) == {"num_accepted", "tokens", "result"}
+    assert bool(jnp.all(out["result"] == speculax.RESULTS.successful))
     assert out["num_accepted"].dtype == jnp.int32
     assert out["tokens"].dtype == jnp.int32
     assert _as_lists(out) == expected

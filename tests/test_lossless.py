@@ -95,6 +95,8 @@ class NoSubtractionResidual(speculax.AbstractResidual):
 
     reads_draft_probs: ClassVar[bool] = False
 
+    axis_name: ClassVar[None] = None
+
     def __call__(
         self,
         num_accepted: Int[Array, " batch"],
@@ -111,6 +113,8 @@ class AbsoluteResidual(speculax.AbstractResidual):
     """|p_n - q_n| instead of max(p_n - q_n, 0): over-proposed tokens come back."""
 
     reads_draft_probs: ClassVar[bool] = True
+
+    axis_name: ClassVar[None] = None
 
     def __call__(
         self,
@@ -132,6 +136,7 @@ class AbsoluteResidual(speculax.AbstractResidual):
 class AlwaysAccept(speculax.AbstractAcceptance):
     reads_uniforms: ClassVar[bool] = False
     reads_draft_probs: ClassVar[bool] = False
+    axis_name: ClassVar[None] = None
 
     def __call__(
         self,
@@ -170,6 +175,7 @@ class UpperHalfAccept(speculax.AbstractAcceptance):
 
     reads_uniforms: ClassVar[bool] = True
     reads_draft_probs: ClassVar[bool] = False
+    axis_name: ClassVar[None] = None
 
     def __call__(
         self,
@@ -185,6 +191,8 @@ class UnclippedResidual(speculax.AbstractResidual):
     """p_n - q_n without the clip: negative weights, which no sampler can use."""
 
     reads_draft_probs: ClassVar[bool] = True
+
+    axis_name: ClassVar[None] = None
 
     def __call__(
         self,

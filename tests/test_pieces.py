@@ -166,6 +166,7 @@ def test_swapping_a_custom_acceptance_changes_the_count():
     class AcceptEverything(speculax.AbstractAcceptance):
         reads_uniforms: ClassVar[bool] = False
         reads_draft_probs: ClassVar[bool] = False
+        axis_name: ClassVar[None] = None
 
         def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms):
             return jnp.ones(draft_tokens.shape, bool)

@@ -23,6 +23,7 @@ class ThresholdAcceptance(speculax.AbstractAcceptance):
 
     reads_uniforms: ClassVar[bool] = False
     reads_draft_probs: ClassVar[bool] = True
+    axis_name: ClassVar[None] = None
     threshold: float = 0.5
 
     def __call__(

@@ -12,6 +12,10 @@ from ._diagnostics import (
     StepDiagnostics as StepDiagnostics,
     diagnose as diagnose,
 )
+from ._failures import (
+    RESULTS as RESULTS,
+    failure_messages as failure_messages,
+)
 from ._logits import probs_from_logits as probs_from_logits
 from ._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import first_argmax, upcast
+from ._numerics import upcast
+from ._vocab_axis import first_argmax_over_vocab, ordered_row_sums, probs_at_tokens
 
 
 class AbstractAcceptance(eqx.Module):
@@ -18,18 +19,24 @@ class AbstractAcceptance(eqx.Module):
     per-position verdicts are returned: the first failure ending the step is the job of
     the prefix count.
 
-    Every test states two class variables:
+    Every test states two class variables and one field:
 
     - `reads_uniforms`: whether it reads `accept_uniforms`; a deterministic test
         (`False`) lets a step be called without them.
     - `reads_draft_probs`: whether it reads `draft_probs`; the step's value checks
         read only what some piece reads.
+    - `axis_name`: inside `jax.shard_map`, the name of the mesh axis the vocabulary
+        is split over (the last axis of the probabilities), as
+        `eqx.nn.BatchNorm(axis_name=...)` names the axis it reduces over; `None`
+        when the test sees whole rows. A test that cannot work on a slice of the
+        vocabulary states `axis_name: ClassVar[None] = None`.
 
     The concrete tests are final: to change one, wrap it in a piece of your own.
     """
 
     reads_uniforms: eqx.AbstractClassVar[bool]
     reads_draft_probs: eqx.AbstractClassVar[bool]
+    axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod
     def __call__(
@@ -65,10 +72,16 @@ class RatioAcceptance(AbstractAcceptance):
     $p_i(x_i) > 0$, and a token the target gives probability $0$ never passes, whatever
     $u_i$. Reads $2 \\cdot \\text{batch} \\cdot \\text{draft}$ probabilities and nothing
     else.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
     """
 
     reads_uniforms: ClassVar[bool] = True
     reads_draft_probs: ClassVar[bool] = True
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __call__(
         self,
@@ -77,32 +90,10 @@ class RatioAcceptance(AbstractAcceptance):
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
     ) -> Bool[Array, "batch draft"]:
-        draft_target, draft_draft = draft_token_probs(
-            draft_tokens, draft_probs, target_probs
+        draft_target, draft_draft = probs_at_tokens(
+            draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
         )
         return accept_uniforms * draft_draft < draft_target
-
-
-def draft_token_probs(
-    draft_tokens: Int[Array, "batch draft"],
-    draft_probs: Float[Array, "batch draft vocab"] | None,
-    target_probs: Float[Array, "batch draft+1 vocab"],
-) -> tuple[Float[Array, "batch draft"], Float[Array, "batch draft"]]:
-    """Gathers $p_i(x_i)$ and $q_i(x_i)$, upcast to the arithmetic dtype; $q_i(x_i) = 1$
-    for deterministic drafts (`draft_probs=None`).
-
-    Point gathers straight from the inputs, not from `target_probs[:, :G]`: a slice
-    with two users (the acceptance piece and the value checks) is materialised by XLA
-    CPU for half-precision inputs, a copy of nearly the whole array. Identical gathers
-    in the two users are merged by XLA.
-    """
-    batch, num_draft = draft_tokens.shape
-    rows = jnp.arange(batch)[:, None]
-    positions = jnp.arange(num_draft)[None, :]
-    target = upcast(target_probs[rows, positions, draft_tokens])
-    if draft_probs is None:
-        return target, jnp.ones_like(target)
-    return target, upcast(draft_probs[rows, positions, draft_tokens])
 
 
 @final
@@ -115,10 +106,16 @@ class GreedyAcceptance(AbstractAcceptance):
     Pair it with [`speculax.TargetRow`][] and [`speculax.Argmax`][], so that the
     correction or bonus token is $\\arg\\max_v p_n(v)$; [`speculax.greedy_step`][]
     builds that step.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
     """
 
     reads_uniforms: ClassVar[bool] = False
     reads_draft_probs: ClassVar[bool] = False
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __call__(
         self,
@@ -130,7 +127,8 @@ class GreedyAcceptance(AbstractAcceptance):
         num_draft = draft_tokens.shape[1]
         # The argmax of every row, p_G's included, then the first G: a slice of the
         # input read by two reductions would be copied whole by XLA CPU.
-        return first_argmax(target_probs)[:, :num_draft] == draft_tokens
+        token, _ = first_argmax_over_vocab(target_probs, self.axis_name)
+        return token[:, :num_draft] == draft_tokens
 
 
 @final
@@ -153,12 +151,19 @@ class TypicalAcceptance(AbstractAcceptance):
         in `(0, 1]`. Default 0.09.
     - `alpha`: the entropy-scaled threshold $\\alpha$ (Medusa's `posterior_alpha`),
         non-negative. Default 0.3.
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
+
+    The entropy is summed in a fixed order (blocks of 256 tokens, then the blocks),
+    so that a row's verdicts are the same alone, in any batch and on any split of
+    the vocabulary into whole blocks.
     """
 
     reads_uniforms: ClassVar[bool] = False
     reads_draft_probs: ClassVar[bool] = False
     epsilon: float = eqx.field(static=True, default=0.09)
     alpha: float = eqx.field(static=True, default=0.3)
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __check_init__(self):
         if not 0 < self.epsilon <= 1:
@@ -175,7 +180,9 @@ class TypicalAcceptance(AbstractAcceptance):
     ) -> Bool[Array, "batch draft"]:
         num_draft = draft_tokens.shape[1]
         target = upcast(target_probs[:, :num_draft])
-        entropy = jnp.sum(jax.scipy.special.entr(target), axis=-1)
+        entropy = ordered_row_sums(jax.scipy.special.entr(target), self.axis_name)
         threshold = jnp.minimum(self.epsilon, self.alpha * jnp.exp(-entropy))
-        at_draft = jnp.take_along_axis(target, draft_tokens[..., None], axis=-1)
-        return at_draft[..., 0] > threshold
+        at_draft, _ = probs_at_tokens(
+            draft_tokens, None, target_probs, axis_name=self.axis_name
+        )
+        return at_draft > threshold

@@ -2,14 +2,17 @@
 `bench` times the step."""
 
 import argparse
+import functools
 import json
-import re
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+
+if TYPE_CHECKING:
+    from ._step import StepOutput
 
 INPUT_NAMES = (
     "draft_tokens",
@@ -111,13 +114,17 @@ def _run(path: str | None) -> str:
 
 
 def step_json(inputs: Any) -> dict[str, list]:
-    """Runs [`speculax.speculative_step`][] on a decoded JSON object.
+    """Runs the default step on a decoded JSON object, as
+    [`speculax.speculative_step`][] does, reading its failures as codes
+    (`throw=False`).
 
     **Raises:**
 
-    `InputError` with a one-line message for anything that is not a valid input.
+    `InputError` with a one-line message for anything that is not a valid input; for
+    bad values, the first failing row and its [`speculax.RESULTS`][] message.
     """
-    from ._step import speculative_step
+    from ._failures import failure_messages
+    from ._numerics import index_array
 
     if not isinstance(inputs, dict):
         raise InputError(
@@ -131,12 +138,26 @@ def step_json(inputs: Any) -> dict[str, list]:
         raise InputError(f"unknown key(s): {', '.join(unknown)}")
     arrays = {name: _as_array(name, inputs[name]) for name in INPUT_NAMES}
     try:
-        out = speculative_step(*(arrays[name] for name in INPUT_NAMES))
-        return {name: np.asarray(value).tolist() for name, value in out.items()}
+        # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
+        out = _reporting_step()(
+            index_array(arrays["draft_tokens"]),
+            *(arrays[name] for name in INPUT_NAMES[1:]),
+        )
     except (ValueError, TypeError) as error:
         raise InputError(str(error)) from None
-    except RuntimeError as error:
-        raise InputError(_runtime_message(error)) from None
+    for row, message in enumerate(failure_messages(out["result"])):
+        if message:
+            raise InputError(f"row {row}: {message}")
+    return {name: np.asarray(out[name]).tolist() for name in ("num_accepted", "tokens")}
+
+
+@functools.cache
+def _reporting_step() -> Callable[..., "StepOutput"]:
+    import equinox as eqx
+
+    from ._step import SpeculativeStep
+
+    return eqx.filter_jit(SpeculativeStep(throw=False))
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -181,11 +202,6 @@ def _leaf_types(value: Any) -> set[type]:
         else:
             types.add(type(item))
     return types
-
-
-def _runtime_message(error: RuntimeError) -> str:
-    match = re.search(r"EquinoxRuntimeError: (.+)", str(error))
-    return match.group(1) if match else str(error).strip().splitlines()[0]
 
 
 def _demo() -> int:

@@ -8,7 +8,7 @@ from ._step import InputArray, SpeculativeStep, StepOutput
 
 
 class StepDiagnostics(StepOutput):
-    """What [`speculax.diagnose`][] returns: the two keys of [`speculax.StepOutput`][]
+    """What [`speculax.diagnose`][] returns: the keys of [`speculax.StepOutput`][]
     and three more, for users who track acceptance metrics.
 
     - `acceptance_probs`: float `(batch, draft)`, the probability that each draft
@@ -104,6 +104,7 @@ def diagnose(
     return {
         "num_accepted": out["num_accepted"],
         "tokens": out["tokens"],
+        "result": out["result"],
         "acceptance_probs": acceptance_probs,
         "accepted": position < out["num_accepted"][:, None],
         "expected_acceptance_rate": jnp.sum(jnp.minimum(target, draft), axis=-1),

@@ -4,11 +4,12 @@ one pass when they are the default pair."""
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._checks import Failure, overflow_failure, stopping_row_failures
-from ._numerics import BLOCK_SIZE, first_argmax, upcast
+from ._failures import Failure, overflow_failure, stopping_row_failures
+from ._numerics import BLOCK_SIZE, upcast
 from ._residual import AbstractResidual, Residual, TargetRow
 from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
 from ._stopping_rows import stopping_row_summary
+from ._vocab_axis import first_argmax_over_vocab
 
 
 def draw_token(
@@ -45,6 +46,9 @@ def draw_token(
     the sampler. The value checks then take a pass of their own over the rows, and
     only when `check_values`.
 
+    The pair shares one `axis_name` (the step checks it), used here for the fused
+    paths and the checks' summary.
+
     **Returns:**
 
     The drawn tokens, int32 `(batch,)` (`-1` where nothing can be drawn), and the
@@ -58,6 +62,7 @@ def draw_token(
             block_size=sampler.block_size,
             num_draft_tokens=num_draft_tokens,
             draft_tokens=draft_tokens,
+            axis_name=sampler.axis_name,
         )
         failures = []
         if check_values:
@@ -65,7 +70,7 @@ def draw_token(
                 *stopping_row_failures(summary.row_mass),
                 overflow_failure(summary.row_mass),
             ]
-        return sample_residual(summary, sample_uniforms), failures
+        return sample_residual(summary, sample_uniforms, sampler.axis_name), failures
     failures = []
     if check_values:
         # Only the summary's flags are read, whatever its block size.
@@ -75,10 +80,11 @@ def draw_token(
             target_probs,
             block_size=BLOCK_SIZE,
             num_draft_tokens=num_draft_tokens,
+            axis_name=residual.axis_name,
         )
         failures = stopping_row_failures(summary.row_mass)
     if type(residual) is TargetRow and type(sampler) is Argmax:
-        return _target_argmax(num_accepted, target_probs), failures
+        return _target_argmax(num_accepted, target_probs, sampler.axis_name), failures
     weights = residual(
         num_accepted,
         draft_tokens,
@@ -92,11 +98,12 @@ def draw_token(
 def _target_argmax(
     num_accepted: Int[Array, " batch"],
     target_probs: Float[Array, "batch positions vocab"],
+    axis_name: str | None,
 ) -> Int[Array, " batch"]:
     """`Argmax` of `TargetRow`'s weights: the argmax of $p_n$, or -1 where its
     largest weight is zero (below the smallest normal number counting as zero)."""
-    token = jnp.take_along_axis(
-        first_argmax(target_probs), num_accepted[:, None], axis=1
-    )[:, 0]
-    weight = upcast(target_probs[jnp.arange(token.shape[0]), num_accepted, token])
-    return jnp.where(weight > 0, token, -1)
+    token, largest = first_argmax_over_vocab(target_probs, axis_name)
+    at_stop = num_accepted[:, None]
+    token = jnp.take_along_axis(token, at_stop, axis=1)[:, 0]
+    largest = jnp.take_along_axis(largest, at_stop, axis=1)[:, 0]
+    return jnp.where(upcast(largest) > 0, token, -1)

@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int
 
 from ._numerics import flush_subnormal, upcast
 from ._stopping_rows import stopping_rows
+from ._vocab_axis import any_over_vocab, vocab_offset
 
 
 class AbstractResidual(eqx.Module):
@@ -22,13 +23,16 @@ class AbstractResidual(eqx.Module):
     in a ragged batch drafting stopped at $n$ with a draft to correct when $n < g_b$,
     and a bonus token is due when $n = g_b$.
 
-    Every residual states the class variable `reads_draft_probs`: whether it reads
-    `draft_probs`; the step's value checks read only what some piece reads.
+    Every residual states the class variable `reads_draft_probs`, whether it reads
+    `draft_probs` (the step's value checks read only what some piece reads), and the
+    field `axis_name`: inside `jax.shard_map`, the mesh axis the vocabulary is split
+    over, `None` for whole rows (see [`speculax.AbstractAcceptance`][]).
 
     The concrete residuals are final: to change one, wrap it in a piece of your own.
     """
 
     reads_draft_probs: eqx.AbstractClassVar[bool]
+    axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod
     def __call__(
@@ -78,9 +82,15 @@ class Residual(AbstractResidual):
     sums of the two rows without materialising the weights (see `docs/performance.md`).
     Called on its own, or beside any other sampler, it returns the weights as an
     ordinary `(batch, vocab)` array.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
     """
 
     reads_draft_probs: ClassVar[bool] = True
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __call__(
         self,
@@ -104,14 +114,16 @@ class Residual(AbstractResidual):
             rejected = jnp.take_along_axis(
                 draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
             )
-            is_rejected = jnp.arange(target_row.shape[-1])[None, :] == rejected
+            vocab = target_row.shape[-1]
+            token = jnp.arange(vocab) + vocab_offset(vocab, self.axis_name)
+            is_rejected = token[None, :] == rejected
             excess = jnp.where(is_rejected, jnp.maximum(target_row - 1, 0), target_row)
         else:
             # A difference of two normal numbers can be subnormal: it counts as zero.
             excess = flush_subnormal(jnp.maximum(target_row - upcast(draft_row), 0))
         weights = jnp.where(drafting, excess, target_row)
-        has_mass = jnp.any(weights > 0, axis=-1, keepdims=True)
-        return jnp.where(has_mass, weights, target_row)
+        has_mass = any_over_vocab(jnp.any(weights > 0, axis=-1), self.axis_name)
+        return jnp.where(has_mass[:, None], weights, target_row)
 
 
 @final
@@ -122,9 +134,15 @@ class TargetRow(AbstractResidual):
     correction token is the target's most likely token at the stopping position.
     Beside the ratio test it is **not lossless**: the residual must remove what the
     draft already proposed.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default); the rows are read as they are either way.
     """
 
     reads_draft_probs: ClassVar[bool] = False
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __call__(
         self,

@@ -1,12 +1,15 @@
 import abc
+from collections.abc import Callable
 from typing import ClassVar, final
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import BLOCK_SIZE, first_argmax, ordered_block_sums, upcast
+from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
+from ._vocab_axis import first_argmax_over_vocab, gather_blocks, vocab_offset
 
 
 class AbstractSampler(eqx.Module):
@@ -15,13 +18,16 @@ class AbstractSampler(eqx.Module):
 
     Subclass it and implement `__call__` to write your own; plug it into
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(sampler=...)`. Every sampler
-    states the class variable `reads_uniforms`: whether it reads `sample_uniforms`; a
-    deterministic one (`False`) lets a step be called without them.
+    states the class variable `reads_uniforms`, whether it reads `sample_uniforms` (a
+    deterministic one, `False`, lets a step be called without them), and the field
+    `axis_name`: inside `jax.shard_map`, the mesh axis the vocabulary is split over,
+    `None` for whole rows (see [`speculax.AbstractAcceptance`][]).
 
     The concrete samplers are final: to change one, wrap it in a piece of your own.
     """
 
     reads_uniforms: eqx.AbstractClassVar[bool]
+    axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod
     def __call__(
@@ -69,10 +75,15 @@ class InverseCDF(AbstractSampler):
 
     - `block_size`: the number of vocabulary entries summed in one block, a
         positive static integer. Default 256.
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default). The devices exchange the block sums, and the one that
+        holds the chosen block searches it: the same token as on one device when each
+        device's slice is a whole number of blocks.
     """
 
     reads_uniforms: ClassVar[bool] = True
     block_size: int = eqx.field(static=True, default=BLOCK_SIZE)
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __check_init__(self):
         if self.block_size < 1:
@@ -91,13 +102,15 @@ class InverseCDF(AbstractSampler):
         blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
             batch, num_blocks, block_size
         )
-        block_mass = ordered_block_sums(weights, block_size, lanes=8)
-        block_index, before_block, threshold, total = find_block(
-            block_mass, sample_uniforms
-        )
-        chosen = jnp.take_along_axis(blocks, block_index[:, None, None], axis=1)[:, 0]
-        return find_token(
-            chosen, block_index, block_size, before_block, threshold, total
+        return draw_from_blocks(
+            ordered_block_sums(weights, block_size, lanes=8),
+            lambda block: jnp.take_along_axis(blocks, block[:, None, None], axis=1)[
+                :, 0
+            ],
+            block_size,
+            vocab,
+            sample_uniforms,
+            self.axis_name,
         )
 
 
@@ -105,23 +118,29 @@ class InverseCDF(AbstractSampler):
 class Argmax(AbstractSampler):
     """Greedy sampling: $y = \\arg\\max_v w(v)$, ties going to the smallest token id.
     Deterministic: the uniforms are not read.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
     """
 
     reads_uniforms: ClassVar[bool] = False
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __call__(
         self,
         weights: Float[Array, "batch vocab"],
         sample_uniforms: Float[Array, " batch"],
     ) -> Int[Array, " batch"]:
-        weights = upcast(weights)
-        token = first_argmax(weights)
-        has_mass = jnp.take_along_axis(weights, token[:, None], axis=-1)[:, 0] > 0
-        return jnp.where(has_mass, token, -1)
+        token, largest = first_argmax_over_vocab(upcast(weights), self.axis_name)
+        return jnp.where(largest > 0, token, -1)
 
 
 def sample_residual(
-    summary: RowSummary, sample_uniforms: Float[Array, " batch"]
+    summary: RowSummary,
+    sample_uniforms: Float[Array, " batch"],
+    axis_name: str | None,
 ) -> Int[Array, " batch"]:
     """[`speculax.InverseCDF`][] applied to the weights of [`speculax.Residual`][],
     without materialising them: the block sums come from the one-pass summary of the
@@ -129,17 +148,57 @@ def sample_residual(
     same computation as the two pieces in turn, up to the order of the additions
     inside a block.
     """
-    block_index, before_block, threshold, total = find_block(
-        summary.block_mass, sample_uniforms
-    )
-    return find_token(
-        block_weights(summary, block_index),
-        block_index,
+    return draw_from_blocks(
+        summary.block_mass,
+        lambda block: block_weights(summary, block),
         summary.block_size,
+        summary.target_probs.shape[-1],
+        sample_uniforms,
+        axis_name,
+    )
+
+
+def draw_from_blocks(
+    block_mass: Float[Array, "batch local_blocks"],
+    chosen_block: Callable[[Int[Array, " batch"]], Float[Array, "batch block"]],
+    block_size: int,
+    shard_vocab: int,
+    sample_uniforms: Float[Array, " batch"],
+    axis_name: str | None,
+) -> Int[Array, " batch"]:
+    """The inverse-CDF token from the block sums of each row and a function that
+    reads the weights of one block per row.
+
+    On a split vocabulary the devices gather everyone's block sums, all find the same
+    block, and the device that holds it searches it: only the block sums and one
+    token per row cross devices.
+    """
+    block_index, before_block, threshold, total = find_block(
+        gather_blocks(block_mass, axis_name), sample_uniforms
+    )
+    if axis_name is None:
+        return find_token(
+            chosen_block(block_index),
+            block_index,
+            block_size,
+            before_block,
+            threshold,
+            total,
+        )
+    local_blocks = block_mass.shape[-1]
+    owner = block_index // local_blocks
+    local_block = block_index - owner * local_blocks
+    token = find_token(
+        chosen_block(local_block),
+        local_block,
+        block_size,
         before_block,
         threshold,
         total,
     )
+    token = jnp.where(token >= 0, token + vocab_offset(shard_vocab, axis_name), token)
+    mine = owner == jax.lax.axis_index(axis_name)
+    return jax.lax.pmax(jnp.where(mine, token, -1), axis_name)
 
 
 def find_block(

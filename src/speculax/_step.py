@@ -6,19 +6,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int
 
 from ._acceptance import AbstractAcceptance, GreedyAcceptance, RatioAcceptance
-from ._checks import (
-    check_all_probs,
-    check_structure,
+from ._checks import check_structure
+from ._draw import draw_token
+from ._failures import (
+    RESULTS,
+    first_failure,
     input_failures,
     raise_first_failure,
     sampled_failure,
 )
-from ._draw import draw_token
 from ._numerics import as_index, index_array
 from ._prefix import AbstractPrefixCount, PrefixCount
 from ._random import KeyArray, uniforms
 from ._residual import AbstractResidual, Residual, TargetRow
 from ._sampling import AbstractSampler, Argmax, InverseCDF
+from ._vocab_axis import full_vocab
 
 
 # The entry points take JAX arrays, NumPy arrays or nested Python lists, and check their
@@ -34,10 +36,16 @@ class StepOutput(TypedDict):
     - `tokens`: int32 array of shape `(batch, draft + 1)`; row $b$ holds the $n$
         accepted draft tokens, then the drawn token $y$, then `-1` in every remaining
         position.
+    - `result`: a [`speculax.RESULTS`][] item of shape `(batch,)`, each row's
+        outcome: `successful`, or the first value check the row failed, which only a
+        step with `throw=False` returns (one with `throw=True` raises instead); a
+        failed row has `num_accepted` 0 and `tokens` all `-1`. `successful` too for
+        every row of a step with `check_values=False`, which checks nothing.
     """
 
     num_accepted: Int[Array, " batch"]
     tokens: Int[Array, "batch draft+1"]
+    result: RESULTS
 
 
 class SpeculativeStep(eqx.Module):
@@ -54,7 +62,8 @@ class SpeculativeStep(eqx.Module):
 
     **Arguments:**
 
-    The constructor takes the four pieces, each optional, and two keyword-only flags:
+    The constructor takes the four pieces, each optional, and three keyword-only
+    flags:
 
     - `acceptance`: a [`speculax.AbstractAcceptance`][]; default
         [`speculax.RatioAcceptance`][].
@@ -67,7 +76,17 @@ class SpeculativeStep(eqx.Module):
         and the probabilities the step reads anyway) as Equinox runtime errors.
         Default `True`.
     - `check_all_probs`: whether to also scan every probability for negative or
-        non-finite values, a full pass over both arrays. Default `False`.
+        non-finite values, a full pass over both arrays. Default `False`; `True`
+        needs `check_values`.
+    - `throw`: what a failed value check does. `True` (the default): raise, for the
+        whole batch. `False`: return, under the key `result`, one
+        [`speculax.RESULTS`][] item per row, and give each failed row
+        `num_accepted` 0 and `tokens` all `-1`, every other row keeping the answer
+        it has alone: one bad request does not cost a serving engine its batch.
+        Needs `check_values`.
+
+    The pieces that read the vocabulary name the mesh axis it is split over, their
+    `axis_name` (see [`speculax.sharded_step`][]); they must agree.
 
     **Example:**
 
@@ -96,6 +115,30 @@ class SpeculativeStep(eqx.Module):
     sampler: AbstractSampler = InverseCDF()
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     check_all_probs: bool = eqx.field(static=True, default=False, kw_only=True)
+    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    def __check_init__(self):
+        if not self.check_values and self.check_all_probs:
+            raise ValueError("check_all_probs=True needs check_values=True")
+        if not self.check_values and not self.throw:
+            raise ValueError("throw=False needs check_values=True")
+        axes = {
+            "acceptance": self.acceptance.axis_name,
+            "residual": self.residual.axis_name,
+            "sampler": self.sampler.axis_name,
+        }
+        if len(set(axes.values())) > 1:
+            named = ", ".join(f"{piece} {axis!r}" for piece, axis in axes.items())
+            raise ValueError(
+                f"the pieces must split the vocabulary over the same axis_name; got "
+                f"{named}"
+            )
+
+    @property
+    def axis_name(self) -> str | None:
+        """The mesh axis the vocabulary is split over, which the pieces share; `None`
+        for whole rows."""
+        return self.sampler.axis_name
 
     def __call__(
         self,
@@ -139,23 +182,27 @@ class SpeculativeStep(eqx.Module):
 
         **Returns:**
 
-        A [`speculax.StepOutput`][] dict with the keys `num_accepted` (int32 `(B,)`)
-        and `tokens` (int32 `(B, G + 1)`).
+        A [`speculax.StepOutput`][] dict with the keys `num_accepted` (int32 `(B,)`),
+        `tokens` (int32 `(B, G + 1)`) and `result` (a [`speculax.RESULTS`][] item per
+        row).
 
         **Raises:**
 
-        With `check_values=True` (the default), an Equinox runtime error (a
-        `RuntimeError`) when a draft token lies outside `[0, V)`, a uniform outside
-        `[0, 1)` or is NaN, a probability the step reads is negative or not finite, or
-        the distribution drawn from has no positive mass. With `check_all_probs=True`,
-        also when any probability anywhere is negative or not finite.
+        With `check_values=True` and `throw=True` (the defaults), an Equinox runtime
+        error (a `RuntimeError`) when a draft token lies outside `[0, V)`, a uniform
+        outside `[0, 1)` or is NaN, a probability the step reads is negative or not
+        finite, or the distribution drawn from has no positive mass; with
+        `check_all_probs=True`, also when any probability anywhere is negative or not
+        finite. The message is that of the first failure in the order of
+        [`speculax.RESULTS`][]. With `throw=False` nothing is raised at run time: the
+        codes are returned.
         """
         draft_tokens = index_array(draft_tokens)
         target_probs = jnp.asarray(target_probs)
-        draft_probs = _optional_array(draft_probs)
-        accept_uniforms = _optional_array(accept_uniforms)
-        sample_uniforms = _optional_array(sample_uniforms)
-        num_draft_tokens = _optional_index_array(num_draft_tokens)
+        draft_probs = optional_array(draft_probs)
+        accept_uniforms = optional_array(accept_uniforms)
+        sample_uniforms = optional_array(sample_uniforms)
+        num_draft_tokens = optional_index_array(num_draft_tokens)
         check_structure(
             draft_tokens,
             draft_probs,
@@ -167,21 +214,21 @@ class SpeculativeStep(eqx.Module):
         draft_tokens = as_index(draft_tokens)
         if num_draft_tokens is not None:
             num_draft_tokens = as_index(num_draft_tokens)
-        accept_uniforms, sample_uniforms = self._uniforms(
-            draft_tokens.shape, accept_uniforms, sample_uniforms, key
+        accept_uniforms, sample_uniforms = resolve_uniforms(
+            self, draft_tokens.shape, accept_uniforms, sample_uniforms, key
         )
-        if self.check_all_probs:
-            draft_probs, target_probs = check_all_probs(draft_probs, target_probs)
         failures = []
         if self.check_values:
             failures += input_failures(
                 draft_tokens,
-                # The checks read only the draft probabilities that a piece reads.
-                draft_probs if self.acceptance.reads_draft_probs else None,
+                draft_probs,
                 target_probs,
                 accept_uniforms,
                 sample_uniforms,
                 num_draft_tokens,
+                reads_draft_probs=self.acceptance.reads_draft_probs,
+                scan_all_probs=self.check_all_probs,
+                axis_name=self.axis_name,
             )
         passed = self.acceptance(
             draft_tokens, draft_probs, target_probs, accept_uniforms
@@ -201,52 +248,65 @@ class SpeculativeStep(eqx.Module):
             num_draft_tokens=num_draft_tokens,
             check_values=self.check_values,
         )
+        if self.check_values:
+            vocab = full_vocab(target_probs.shape[-1], self.axis_name)
+            failures += [*row_failures, sampled_failure(drawn, vocab)]
+        result = first_failure(failures, draft_tokens.shape[0])
         output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
             "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
+            "result": result,
         }
-        if self.check_values:
-            failures += [*row_failures, sampled_failure(drawn, target_probs.shape[-1])]
-            output = raise_first_failure(output, failures)
-        return output
-
-    def _uniforms(
-        self,
-        shape: tuple[int, ...],
-        accept_uniforms: Array | None,
-        sample_uniforms: Array | None,
-        key: KeyArray | None,
-    ) -> tuple[Array, Array]:
-        """The uniforms as given, drawn from `key`, or zeros where no piece reads them;
-        a `ValueError` where a piece needs them and they are missing.
-        """
-        batch, num_draft = shape
-        if key is not None:
-            if accept_uniforms is not None or sample_uniforms is not None:
-                raise ValueError(
-                    "pass either key or accept_uniforms and sample_uniforms, not both"
-                )
-            return uniforms(key, batch, num_draft)
-        given = {"accept_uniforms": accept_uniforms, "sample_uniforms": sample_uniforms}
-        readers = {"accept_uniforms": self.acceptance, "sample_uniforms": self.sampler}
-        for name, value in given.items():
-            if value is None and readers[name].reads_uniforms:
-                reader = type(readers[name]).__name__
-                raise ValueError(
-                    f"{name} is required: {reader} reads it; pass it, or key= to draw"
-                )
-        if accept_uniforms is None:
-            accept_uniforms = jnp.zeros((batch, num_draft), jnp.float32)
-        if sample_uniforms is None:
-            sample_uniforms = jnp.zeros((batch,), jnp.float32)
-        return accept_uniforms, sample_uniforms
+        # An empty batch has nothing to report, and Equinox's error needs an element.
+        if not self.check_values or draft_tokens.shape[0] == 0:
+            return output
+        if self.throw:
+            return raise_first_failure(output, result)
+        failed = result != RESULTS.successful
+        return {
+            "num_accepted": jnp.where(failed, 0, output["num_accepted"]),
+            "tokens": jnp.where(failed[:, None], -1, output["tokens"]),
+            "result": result,
+        }
 
 
-def _optional_array(x: InputArray | None) -> Array | None:
+def resolve_uniforms(
+    step: SpeculativeStep,
+    shape: tuple[int, ...],
+    accept_uniforms: Array | None,
+    sample_uniforms: Array | None,
+    key: KeyArray | None,
+) -> tuple[Array, Array]:
+    """The uniforms as given, drawn from `key`, or zeros where no piece of `step`
+    reads them; a `ValueError` where a piece needs them and they are missing.
+    """
+    batch, num_draft = shape
+    if key is not None:
+        if accept_uniforms is not None or sample_uniforms is not None:
+            raise ValueError(
+                "pass either key or accept_uniforms and sample_uniforms, not both"
+            )
+        return uniforms(key, batch, num_draft)
+    given = {"accept_uniforms": accept_uniforms, "sample_uniforms": sample_uniforms}
+    readers = {"accept_uniforms": step.acceptance, "sample_uniforms": step.sampler}
+    for name, value in given.items():
+        if value is None and readers[name].reads_uniforms:
+            reader = type(readers[name]).__name__
+            raise ValueError(
+                f"{name} is required: {reader} reads it; pass it, or key= to draw"
+            )
+    if accept_uniforms is None:
+        accept_uniforms = jnp.zeros((batch, num_draft), jnp.float32)
+    if sample_uniforms is None:
+        sample_uniforms = jnp.zeros((batch,), jnp.float32)
+    return accept_uniforms, sample_uniforms
+
+
+def optional_array(x: InputArray | None) -> Array | None:
     return None if x is None else jnp.asarray(x)
 
 
-def _optional_index_array(x: InputArray | None) -> Array | None:
+def optional_index_array(x: InputArray | None) -> Array | None:
     return None if x is None else index_array(x)
 
 
@@ -331,17 +391,17 @@ def speculative_step(
     # separate scalar argument.
     return _default_step(
         index_array(draft_tokens),
-        _optional_array(draft_probs),
+        optional_array(draft_probs),
         jnp.asarray(target_probs),
-        _optional_array(accept_uniforms),
-        _optional_array(sample_uniforms),
+        optional_array(accept_uniforms),
+        optional_array(sample_uniforms),
         key=key,
-        num_draft_tokens=_optional_index_array(num_draft_tokens),
+        num_draft_tokens=optional_index_array(num_draft_tokens),
     )
 
 
 def greedy_step(
-    *, check_values: bool = True, check_all_probs: bool = False
+    *, check_values: bool = True, check_all_probs: bool = False, throw: bool = True
 ) -> SpeculativeStep:
     """The step of greedy verification: a draft token passes when it is the target's
     most likely token, and the correction or bonus token is the target's most likely
@@ -349,7 +409,7 @@ def greedy_step(
 
     **Arguments:**
 
-    - `check_values`, `check_all_probs`: keyword only, as for
+    - `check_values`, `check_all_probs`, `throw`: keyword only, as for
         [`speculax.SpeculativeStep`][].
 
     **Returns:**
@@ -379,4 +439,5 @@ def greedy_step(
         Argmax(),
         check_values=check_values,
         check_all_probs=check_all_probs,
+        throw=throw,
     )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._numerics import flush_subnormal, ordered_block_sums, upcast
+from ._vocab_axis import sum_over_vocab, vocab_offset
 
 
 def stopping_rows(
@@ -85,7 +86,7 @@ def stopping_row_summary(
     num_draft_tokens: Int[Array, " batch"] | None = None,
     draft_tokens: Int[Array, "batch draft"] | None = None,
     per_row: bool | None = None,
-    vocab_axis: str | None = None,
+    axis_name: str | None = None,
 ) -> RowSummary:
     """The block sums of the weights the step draws from, $\\max(p_n - q_n, 0)$ or
     $p_n$, in one pass over the two rows, reading nothing else.
@@ -113,8 +114,9 @@ def stopping_row_summary(
         `jax.default_backend()`. Half-precision inputs always take the gather: XLA
         CPU converts a whole half-precision array to float32 before slicing it
         inside a loop, an extra pass and a temporary twice the array's size.
-    - `vocab_axis`: inside `shard_map`, the mesh axis the vocabulary is split over:
-        whether a row has mass is then decided over the whole row.
+    - `axis_name`: inside `shard_map`, the mesh axis the vocabulary is split over:
+        the block sums are then those of this device's slice, and whether a row has
+        mass is decided over the whole row.
 
     **Returns:**
 
@@ -132,6 +134,10 @@ def stopping_row_summary(
         rejected = jnp.take_along_axis(
             draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
         )[:, 0]
+        # As an index into this device's slice; -1 (matching no token) elsewhere.
+        shard_vocab = target_probs.shape[-1]
+        rejected = rejected - vocab_offset(shard_vocab, axis_name)
+        rejected = jnp.where((rejected >= 0) & (rejected < shard_vocab), rejected, -1)
 
     def summarise_with_mass(subtracting):
         block_mass = _row_block_sums(
@@ -146,9 +152,7 @@ def stopping_row_summary(
         # The barrier keeps XLA from merging this sum with the block sums into one
         # reduction over the rows, which would read them a second time.
         row_mass = jnp.sum(jax.lax.optimization_barrier(block_mass), axis=-1)
-        if vocab_axis is not None:
-            row_mass = jax.lax.psum(row_mass, vocab_axis)
-        return block_mass, row_mass
+        return block_mass, sum_over_vocab(row_mass, axis_name)
 
     def fall_back(subtracting, row_mass):
         # Rows whose residual has no mass stop subtracting (the fallback to p_n); if

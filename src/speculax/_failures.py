@@ -1,0 +1,272 @@
+"""The run-time failures of a step (`docs/specification.md`, "Bad input"): one
+enumeration, the value checks that produce it row by row, and the two ways of
+reporting it (raise, or return the codes)."""
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+from ._vocab_axis import any_over_vocab, full_vocab, probs_at_tokens
+
+
+class RESULTS(eqx.Enumeration):
+    """The outcome of a step for each row: `successful`, or the first value check
+    the row fails.
+
+    The checks run in the order of `docs/specification.md`'s bad-input table, so
+    that a cause comes before its consequences (a NaN in $p_n$ before the empty
+    residual it leads to); the failures are listed here in the **reverse** of that
+    order, so that of two failures the first in the table has the larger index: the
+    rule by which Equinox reports one error for a whole (or vmapped) batch.
+
+    A step with `throw=True` (the default) raises the message of the first failure
+    over all rows; with `throw=False` it returns one item per row under the key
+    `result`. Compare items with `==` (`out["result"] == speculax.RESULTS.successful`
+    is a boolean array, one entry per row), and read the rows' messages with
+    [`speculax.failure_messages`][].
+    """
+
+    successful = ""
+    no_mass = (
+        "no token can be drawn: the residual at the stopping position n has no "
+        "positive mass, even after falling back to target_probs[b, n], which has no "
+        "positive entry (values below the smallest normal number count as zero)"
+    )
+    target_row_overflows = (
+        "target_probs must have rows whose total the arithmetic dtype can hold; the "
+        "row p_n at the stopping position n = num_accepted sums past the largest "
+        "finite number (normalise it)"
+    )
+    bad_draft_row = (
+        "draft_probs must be finite and non-negative; got a negative, NaN or "
+        "infinite value in the row q_n at the stopping position n = num_accepted"
+    )
+    bad_target_row = (
+        "target_probs must be finite and non-negative; got a negative, NaN or "
+        "infinite value in the row p_n at the stopping position n = num_accepted"
+    )
+    bad_draft_prob_at_draft_token = (
+        "draft_probs must be finite and non-negative; got a negative, NaN or "
+        "infinite q_i(x_i) at a draft token"
+    )
+    bad_target_prob_at_draft_token = (
+        "target_probs must be finite and non-negative; got a negative, NaN or "
+        "infinite p_i(x_i) at a draft token"
+    )
+    bad_draft_probs = (
+        "draft_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "value (check_all_probs)"
+    )
+    bad_target_probs = (
+        "target_probs must be finite and non-negative; got a negative, NaN or infinite "
+        "value (check_all_probs)"
+    )
+    sample_uniform_out_of_range = (
+        "sample_uniforms must lie in [0, 1); got a value outside it or NaN"
+    )
+    accept_uniform_out_of_range = (
+        "accept_uniforms must lie in [0, 1); got a value outside it or NaN"
+    )
+    draft_token_out_of_range = "draft_tokens must lie in [0, V); got a token outside it"
+    num_draft_tokens_out_of_range = (
+        "num_draft_tokens must lie in [0, G]; got a length outside it"
+    )
+
+
+# The rows where a value check fails, and the failure it reports.
+Failure: TypeAlias = tuple[Bool[Array, " batch"], RESULTS]
+
+
+def _rows(where: Bool[Array, "batch *rest"]) -> Bool[Array, " batch"]:
+    return jnp.any(where, axis=tuple(range(1, where.ndim)))
+
+
+def input_failures(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+    num_draft_tokens: Int[Array, " batch"] | None,
+    *,
+    reads_draft_probs: bool,
+    scan_all_probs: bool,
+    axis_name: str | None,
+) -> list[Failure]:
+    """The checks of the ragged lengths, the tokens, the uniforms and the draft
+    tokens' probabilities (which the step reads anyway), at the draft positions in use
+    (below `num_draft_tokens`), in the order they are reported; $q_i(x_i)$ only if
+    some piece `reads_draft_probs`; with `scan_all_probs`, the full scan of both
+    arrays too. `axis_name` names the mesh
+    axis the vocabulary is split over, inside `shard_map`.
+    """
+    batch, num_draft = draft_tokens.shape
+    failures = []
+    if num_draft_tokens is None:
+        in_use = jnp.ones((batch, num_draft), bool)
+    else:
+        failures.append(
+            (
+                (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
+                RESULTS.num_draft_tokens_out_of_range,
+            )
+        )
+        in_use = jnp.arange(num_draft)[None, :] < num_draft_tokens[:, None]
+    vocab = full_vocab(target_probs.shape[-1], axis_name)
+    target_at_draft, draft_at_draft = probs_at_tokens(
+        draft_tokens,
+        draft_probs if reads_draft_probs else None,
+        target_probs,
+        axis_name=axis_name,
+    )
+    return [
+        *failures,
+        (
+            _rows(in_use & ((draft_tokens < 0) | (draft_tokens >= vocab))),
+            RESULTS.draft_token_out_of_range,
+        ),
+        (
+            _rows(in_use & outside_unit_interval(accept_uniforms)),
+            RESULTS.accept_uniform_out_of_range,
+        ),
+        (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
+        *(
+            _all_probs_failures(draft_probs, target_probs, axis_name)
+            if scan_all_probs
+            else []
+        ),
+        (
+            _rows(in_use & not_a_probability(target_at_draft)),
+            RESULTS.bad_target_prob_at_draft_token,
+        ),
+        (
+            _rows(in_use & not_a_probability(draft_at_draft)),
+            RESULTS.bad_draft_prob_at_draft_token,
+        ),
+    ]
+
+
+def _all_probs_failures(
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
+    axis_name: str | None,
+) -> list[Failure]:
+    """The full scan of every probability for negative or non-finite values: a pass
+    over both arrays, so opt-in (`check_all_probs`).
+    """
+    failures = [
+        (
+            any_over_vocab(_rows(not_a_probability(target_probs)), axis_name),
+            RESULTS.bad_target_probs,
+        )
+    ]
+    if draft_probs is not None:
+        failures.append(
+            (
+                any_over_vocab(_rows(not_a_probability(draft_probs)), axis_name),
+                RESULTS.bad_draft_probs,
+            )
+        )
+    return failures
+
+
+def stopping_row_failures(row_mass: Float[Array, " batch"]) -> list[Failure]:
+    """The checks of the rows $p_n$ and $q_n$ that the step draws from, read from the
+    flags that their one-pass summary carries into each row's total mass
+    (`RowSummary.row_mass`: NaN for a bad value in $p_n$, $-\\infty$ for one in
+    $q_n$): nearly free when the summary serves the sampling too.
+    """
+    return [
+        (jnp.isnan(row_mass), RESULTS.bad_target_row),
+        (row_mass == -jnp.inf, RESULTS.bad_draft_row),
+    ]
+
+
+def overflow_failure(row_mass: Float[Array, " batch"]) -> Failure:
+    """The check that the weights drawn from have a total the arithmetic dtype can
+    hold, for samplers that normalise them: an unnormalised row $p_n$ of finite
+    values can still sum past the largest float32. Only $p_n$ can cause it, since
+    the residual $\\max(p_n - q_n, 0)$ never exceeds $p_n$.
+    """
+    return row_mass == jnp.inf, RESULTS.target_row_overflows
+
+
+def sampled_failure(token: Int[Array, " batch"], vocab: int) -> Failure:
+    """The check that the sampler found a token, which fails only when the weights at
+    the stopping position have no positive mass.
+    """
+    return (token < 0) | (token >= vocab), RESULTS.no_mass
+
+
+def first_failure(failures: Sequence[Failure], batch: int) -> RESULTS:
+    """Each row's first failing check, `failures` being in the order they are
+    reported, or `successful`: one item per row."""
+    result = jax.vmap(lambda _: RESULTS.successful)(jnp.zeros(batch))
+    # From the last check to the first, so that the first failing one wins.
+    for where, failure in reversed(failures):
+        result = jax.vmap(RESULTS.where, in_axes=(0, None, 0))(where, failure, result)
+    return result
+
+
+def failure_messages(result: RESULTS) -> list[str]:
+    """The message of each row's outcome, `""` for a successful row.
+
+    **Arguments:**
+
+    - `result`: the `result` of a step's output, one [`speculax.RESULTS`][] item per
+        row, shape `(batch,)`; not traced (call this outside `jit`).
+
+    **Returns:**
+
+    A list of `batch` strings.
+
+    **Example:**
+
+    ```python
+    import speculax
+
+    out = speculax.SpeculativeStep(throw=False)(
+        draft_tokens=[[0], [5]],
+        draft_probs=[[[0.5, 0.5]], [[0.5, 0.5]]],
+        target_probs=[[[0.5, 0.5], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]],
+        accept_uniforms=[[0.3], [0.3]],
+        sample_uniforms=[0.6, 0.6],
+    )
+    first, second = speculax.failure_messages(out["result"])
+    assert first == ""
+    assert second.startswith("draft_tokens must lie in [0, V)")
+    ```
+    """
+    (codes,) = jax.tree.leaves(result)
+    rows = codes.shape
+    if len(rows) != 1:
+        raise ValueError(f"result must have shape (batch,); got {rows}")
+    return [RESULTS[_row(result, b)] for b in range(rows[0])]
+
+
+def _row(result: RESULTS, b: int) -> RESULTS:
+    return jax.tree.map(lambda code: code[b], result)
+
+
+def raise_first_failure(x: PyTree, result: RESULTS) -> PyTree:
+    """Ties `x` to one Equinox runtime error (a `RuntimeError`) with the message of
+    the first failure over all rows (the largest index of [`speculax.RESULTS`][]),
+    under `vmap` too.
+
+    One branched error rather than one per check: each Equinox error is a
+    conditional in the compiled program, and a dozen of them cost more, to compile
+    and to run, than the checks themselves.
+    """
+    return result.error_if(x, result != RESULTS.successful)
+
+
+def outside_unit_interval(u: Float[Array, "*shape"]) -> Array:
+    return ~((u >= 0) & (u < 1))
+
+
+def not_a_probability(x: Float[Array, "*shape"]) -> Array:
+    return ~(jnp.isfinite(x) & (x >= 0))
