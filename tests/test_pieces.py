@@ -1,5 +1,6 @@
 """Each piece alone, against values computed by hand."""
 
+import re
 from typing import ClassVar
 
 import equinox as eqx
@@ -222,6 +223,57 @@ def test_a_piece_must_state_what_it_reads(abstract, missing):
 
     with pytest.raises(TypeError, match=missing):
         Forgetful()
+
+
+@pytest.mark.parametrize(
+    "abstract", ["AbstractAcceptance", "AbstractResidual", "AbstractSampler"]
+)
+def test_a_piece_must_state_its_vocabulary_axis(abstract):
+    """Whether a piece can split the vocabulary is declared too, even by a piece
+    that states everything it reads."""
+    import speculax
+
+    class ReadsNothing(getattr(speculax, abstract)):
+        reads_uniforms: ClassVar[bool] = False
+        reads_draft_probs: ClassVar[bool] = False
+
+        def __call__(self, *args, **kwargs):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="axis_name"):
+        ReadsNothing()
+
+
+def test_the_pieces_must_agree_on_the_vocabulary_axis():
+    import speculax
+
+    with pytest.raises(ValueError, match="acceptance 'vocab', residual 'model'"):
+        speculax.SpeculativeStep(
+            speculax.RatioAcceptance(axis_name="vocab"),
+            residual=speculax.Residual(axis_name="model"),
+            sampler=speculax.InverseCDF(axis_name="vocab"),
+        )
+    with pytest.raises(ValueError, match="sampler None"):
+        speculax.SpeculativeStep(
+            speculax.RatioAcceptance(axis_name="vocab"),
+            residual=speculax.Residual(axis_name="vocab"),
+        )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"throw": False}, "throw=False needs check_values=True"),
+        ({"check_all_probs": True}, "check_all_probs=True needs check_values=True"),
+    ],
+)
+def test_flags_that_need_the_value_checks(flags, message):
+    """Returning codes, or scanning every probability, without checking anything
+    would be a silent no-op: refused when the step is built."""
+    import speculax
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        speculax.SpeculativeStep(check_values=False, **flags)
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 256, 300, 1000])

@@ -119,6 +119,23 @@ def main() -> None:
     drawn = step.sampler(weights, sample_uniforms)
     assert drawn.shape == (3,)
 
+    # Per-row failure codes instead of an error: row 1 holds a token V = 16 lacks.
+    reporting = speculax.SpeculativeStep(throw=False)
+    bad_tokens = draft_tokens.at[1, 0].set(16)
+    reported = reporting(bad_tokens, *inputs[1:])
+    failed: Array = reported["result"] != speculax.RESULTS.successful
+    assert failed.tolist() == [False, True, False]
+    messages: list[str] = speculax.failure_messages(reported["result"])
+    assert messages[1].startswith("draft_tokens")
+
+    # A piece that splits the vocabulary over a mesh axis, for use under shard_map.
+    split = speculax.SpeculativeStep(
+        speculax.RatioAcceptance(axis_name="vocab"),
+        residual=speculax.Residual(axis_name="vocab"),
+        sampler=speculax.InverseCDF(axis_name="vocab"),
+    )
+    assert split.axis_name == "vocab"
+
     # vmap over an extra leading axis of independent batches.
     stacked = tuple(jnp.stack([x, x]) for x in inputs)
     batched = jax.vmap(step)(*stacked)
