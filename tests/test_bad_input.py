@@ -500,7 +500,8 @@ def test_throw_false_reports_each_row(case, mode):
 
 
 def test_runtime_cases_cover_every_failure():
-    """Each failure of `speculax.RESULTS` is raised by some case of the table."""
+    """Each failure of the chain step in `speculax.RESULTS` is raised by some case of
+    the table."""
     import speculax
 
     raised = {
@@ -520,11 +521,22 @@ def test_runtime_cases_cover_every_failure():
     step = eqx.filter_jit(speculax.SpeculativeStep(check_all_probs=True, throw=False))
     for inputs in (_inputs(scan), unread_draft):
         raised |= set(speculax.failure_messages(step(**inputs)["result"]))
-    every = {
-        speculax.RESULTS[getattr(speculax.RESULTS, name)]
-        for name in speculax.RESULTS._name_to_item
-    }
-    missing = every - raised - {""}
+    results = speculax.RESULTS
+    chain_failures = (
+        results.num_draft_tokens_out_of_range,
+        results.draft_token_out_of_range,
+        results.accept_uniform_out_of_range,
+        results.sample_uniform_out_of_range,
+        results.bad_target_probs,
+        results.bad_draft_probs,
+        results.bad_target_prob_at_draft_token,
+        results.bad_draft_prob_at_draft_token,
+        results.bad_target_row,
+        results.bad_draft_row,
+        results.target_row_overflows,
+        results.no_mass,
+    )
+    missing = {results[failure] for failure in chain_failures} - raised
     assert not missing, missing
 
 
@@ -651,3 +663,28 @@ def test_a_token_out_of_range_is_rejected_in_every_dtype(dtype, value, x64):
             jax.block_until_ready(
                 speculax.speculative_step(**inputs, num_draft_tokens=lengths)
             )
+
+
+def test_the_full_scan_ignores_ragged_padding():
+    """Positions at and past a row's draft length may hold anything, NaN included:
+    the full scan reads the positions in use, p_{g_b} among them."""
+    import speculax
+
+    step = eqx.filter_jit(speculax.SpeculativeStep(check_all_probs=True, throw=False))
+    inputs = random_inputs(4, BATCH, DRAFT, VOCAB)
+    lengths = np.array([1, DRAFT])
+    inputs["draft_probs"][0, 1:] = np.nan
+    inputs["target_probs"][0, 2:] = np.nan
+    out = step(**inputs, num_draft_tokens=lengths)
+    assert speculax.failure_messages(out["result"]) == ["", ""]
+    inputs["target_probs"][0, 1, 0] = np.nan
+    out = step(**inputs, num_draft_tokens=lengths)
+    assert speculax.failure_messages(out["result"])[0].startswith("target_probs")
+
+
+def test_failure_messages_need_concrete_codes():
+    import speculax
+
+    out = speculax.SpeculativeStep(throw=False)(**random_inputs(4, BATCH, DRAFT, VOCAB))
+    with pytest.raises(ValueError, match="outside jit"):
+        jax.jit(lambda result: len(speculax.failure_messages(result)))(out["result"])

@@ -136,6 +136,15 @@ def test_structure_errors_on_one_device():
         speculax.sharded_step(
             speculax.SpeculativeStep(), mesh, batch_axis="data", vocab_axis="data"
         )
+    split = speculax.SpeculativeStep(
+        speculax.RatioAcceptance(axis_name="vocab"),
+        residual=speculax.Residual(axis_name="vocab"),
+        sampler=speculax.InverseCDF(axis_name="vocab"),
+    )
+    # Pieces that split the vocabulary over an axis the inputs are not split over
+    # would add up copies of whole rows.
+    with pytest.raises(ValueError, match="but vocab_axis is None"):
+        speculax.sharded_step(split, mesh, batch_axis="data")
     f = speculax.sharded_step(
         speculax.SpeculativeStep(), mesh, batch_axis="data", vocab_axis="vocab"
     )

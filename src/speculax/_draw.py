@@ -46,8 +46,8 @@ def draw_token(
     the sampler. The value checks then take a pass of their own over the rows, and
     only when `check_values`.
 
-    The pair shares one `axis_name` (the step checks it), used here for the fused
-    paths and the checks' summary.
+    The pair shares one `axis_name`, as [`speculax.SpeculativeStep`][] checks when
+    it is built; it is used here for the fused paths and the checks' summary.
 
     **Returns:**
 

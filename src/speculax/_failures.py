@@ -101,8 +101,8 @@ def input_failures(
     tokens' probabilities (which the step reads anyway), at the draft positions in use
     (below `num_draft_tokens`), in the order they are reported; $q_i(x_i)$ only if
     some piece `reads_draft_probs`; with `scan_all_probs`, the full scan of both
-    arrays too. `axis_name` names the mesh
-    axis the vocabulary is split over, inside `shard_map`.
+    arrays too, at the positions in use. `axis_name` names the mesh axis the
+    vocabulary is split over, inside `shard_map`.
     """
     batch, num_draft = draft_tokens.shape
     failures = []
@@ -135,7 +135,7 @@ def input_failures(
         ),
         (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
         *(
-            _all_probs_failures(draft_probs, target_probs, axis_name)
+            _all_probs_failures(draft_probs, target_probs, in_use, axis_name)
             if scan_all_probs
             else []
         ),
@@ -152,22 +152,32 @@ def input_failures(
 
 def _all_probs_failures(
     draft_probs: Float[Array, "batch draft vocab"] | None,
-    target_probs: Float[Array, "batch positions vocab"],
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    in_use: Bool[Array, "batch draft"],
     axis_name: str | None,
 ) -> list[Failure]:
-    """The full scan of every probability for negative or non-finite values: a pass
-    over both arrays, so opt-in (`check_all_probs`).
+    """The full scan of every probability for negative or non-finite values, at the
+    positions in use ($p_{g_b}$ included): a pass over both arrays, so opt-in
+    (`check_all_probs`).
     """
+    # Position i of p is in use when i = 0 or position i - 1 of the drafts is.
+    target_in_use = jnp.concatenate([jnp.ones_like(in_use[:, :1]), in_use], axis=1)
     failures = [
         (
-            any_over_vocab(_rows(not_a_probability(target_probs)), axis_name),
+            any_over_vocab(
+                _rows(target_in_use[..., None] & not_a_probability(target_probs)),
+                axis_name,
+            ),
             RESULTS.bad_target_probs,
         )
     ]
     if draft_probs is not None:
         failures.append(
             (
-                any_over_vocab(_rows(not_a_probability(draft_probs)), axis_name),
+                any_over_vocab(
+                    _rows(in_use[..., None] & not_a_probability(draft_probs)),
+                    axis_name,
+                ),
                 RESULTS.bad_draft_probs,
             )
         )
@@ -241,6 +251,8 @@ def failure_messages(result: RESULTS) -> list[str]:
     assert second.startswith("draft_tokens must lie in [0, V)")
     ```
     """
+    if result.is_traced():
+        raise ValueError("failure_messages reads concrete codes; call it outside jit")
     (codes,) = jax.tree.leaves(result)
     rows = codes.shape
     if len(rows) != 1:

@@ -43,11 +43,12 @@ def sharded_step(
     when every device's share $V / d$ of the vocabulary is a multiple of the block
     size 256 (or the vocabulary is not sharded).
 
-    With a batch axis only, any pieces work, with no communication at all. With a
-    vocabulary axis, the pieces of `step` whose `axis_name` is `None` are given
-    `vocab_axis` (every piece of speculax can split the vocabulary); a piece that
-    cannot (its `axis_name` a class variable `None`) or that names another axis is
-    refused.
+    With a batch axis only, any pieces whose `axis_name` is `None` work, with no
+    communication at all. With a vocabulary axis, the pieces of `step` whose
+    `axis_name` is `None` are given `vocab_axis` (every piece of speculax can split
+    the vocabulary); a piece that cannot (its `axis_name` a class variable `None`) is
+    refused. A piece that names an axis other than `vocab_axis` is refused either
+    way: it would reduce over the wrong devices.
 
     **Arguments:**
 
@@ -87,8 +88,7 @@ def sharded_step(
         raise ValueError(
             f"batch_axis and vocab_axis must differ; both are {batch_axis!r}"
         )
-    if vocab_axis is not None:
-        step = _on_vocab_axis(step, vocab_axis)
+    step = _on_vocab_axis(step, vocab_axis)
     specs = {
         "draft_tokens": PartitionSpec(batch_axis),
         "draft_probs": PartitionSpec(batch_axis, None, vocab_axis),
@@ -165,9 +165,10 @@ def sharded_step(
     return sharded
 
 
-def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str) -> SpeculativeStep:
+def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str | None) -> SpeculativeStep:
     """`step` with `vocab_axis` as the `axis_name` of every piece that reads the
-    vocabulary."""
+    vocabulary; a `ValueError` for a piece that names another axis, or that cannot
+    split the vocabulary when it is split."""
     pieces = {
         "acceptance": step.acceptance,
         "residual": step.residual,
@@ -178,14 +179,13 @@ def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str) -> SpeculativeStep:
             continue
         if piece.axis_name is not None:
             raise ValueError(
-                f"step.{field} splits the vocabulary over {piece.axis_name!r}, not "
-                f"vocab_axis {vocab_axis!r}"
+                f"step.{field} splits the vocabulary over {piece.axis_name!r}, but "
+                f"vocab_axis is {vocab_axis!r}"
             )
-        try:
-            pieces[field] = dataclasses.replace(piece, axis_name=vocab_axis)
-        except TypeError:
+        if "axis_name" not in {f.name for f in dataclasses.fields(piece)}:
             raise ValueError(
                 f"step.{field}, {type(piece).__name__}, cannot split the vocabulary: "
                 "its axis_name is not a field"
-            ) from None
+            )
+        pieces[field] = dataclasses.replace(piece, axis_name=vocab_axis)
     return dataclasses.replace(step, **pieces)

@@ -363,8 +363,8 @@ def speculative_step(
 
     **Returns:**
 
-    A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)` and `tokens` int32
-    `(B, G + 1)`.
+    A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)`, `tokens` int32
+    `(B, G + 1)` and `result`, a [`speculax.RESULTS`][] item per row.
 
     **Example:**
 

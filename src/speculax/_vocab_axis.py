@@ -108,8 +108,9 @@ def first_argmax_over_vocab(
     x: Float[Array, "*rows vocab"], axis_name: str | None
 ) -> tuple[Int[Array, " *rows"], Float[Array, " *rows"]]:
     """The first index of each row's largest value (`first_argmax`), and that value,
-    over the whole vocabulary. Exact on any split: each device proposes its own first
-    largest index, and the smallest index holding the largest value wins.
+    over the whole vocabulary. Exact on any split for rows without NaN: each device
+    proposes its own first largest index, and the smallest index holding the largest
+    value wins.
     """
     index = first_argmax(x)
     largest = jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
