@@ -95,12 +95,9 @@ def test_page_code_runs(page: Path):
 
 def _public_objects() -> list[tuple[str, object]]:
     import speculax
+    import speculax.testing
 
-    modules = [speculax]
-    if (ROOT / "src/speculax/testing.py").exists():
-        import speculax.testing
-
-        modules.append(speculax.testing)
+    modules = [speculax, speculax.testing]
     found = []
     for module in modules:
         names = getattr(module, "__all__", None) or [
@@ -153,8 +150,7 @@ def test_api_reference_is_complete():
     }
     missing = sorted(public - documented)
     assert not missing, f"add these to a page under docs/api/: {missing}"
-    if (ROOT / "src/speculax/testing.py").exists():
-        assert "speculax.testing" in documented
+    assert "speculax.testing" in documented
 
 
 def _api_text() -> str:

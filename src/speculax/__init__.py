@@ -39,6 +39,13 @@ from ._step import (
     greedy_step as greedy_step,
     speculative_step as speculative_step,
 )
+from ._tree import (
+    AbstractSiblingRule as AbstractSiblingRule,
+    IndependentSiblings as IndependentSiblings,
+    SiblingsWithoutReplacement as SiblingsWithoutReplacement,
+    TreeOutput as TreeOutput,
+    TreeStep as TreeStep,
+)
 
 
 __version__ = importlib.metadata.version("speculax")

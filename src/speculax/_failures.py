@@ -75,6 +75,11 @@ class RESULTS(eqx.Enumeration):
     num_draft_tokens_out_of_range = (
         "num_draft_tokens must lie in [0, G]; got a length outside it"
     )
+    tree_token_out_of_range = "tree_tokens must lie in [0, V); got a token outside it"
+    bad_parents = (
+        "parents must give each draft node j a parent in [0, j) that is itself in "
+        "use, or -1 for an unused slot; got one that does not"
+    )
 
 
 # The rows where a value check fails, and the failure it reports.

@@ -1,29 +1,4 @@
-"""Exact checks that a composition of pieces is lossless.
-
-A [`speculax.SpeculativeStep`][] is lossless when, with every draft token $x_i$ drawn
-from $q_i$ and the uniforms independent and uniform, token $k$ of its output, given
-$n \\ge k$, is distributed exactly as $p_k$. For one row with a small vocabulary and a
-few draft positions this can be computed exactly rather than sampled:
-[`speculax.testing.output_distribution`][] enumerates every draft sequence and
-integrates over the uniforms analytically, using the step's own pieces, and
-[`speculax.testing.lossless_error`][] turns the result into one number. Use them to
-check a custom acceptance, prefix or residual piece.
-
-**Example:**
-
-```python
-import numpy as np
-import speculax
-import speculax.testing
-
-draft_probs = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
-target_probs = np.array([[0.2, 0.2, 0.6], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]])
-error = speculax.testing.lossless_error(
-    speculax.SpeculativeStep(), draft_probs, target_probs
-)
-assert error < 1e-12
-```
-"""
+"""Exact output distributions of the chain step, by enumeration."""
 
 import itertools
 from typing import NamedTuple
@@ -34,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._step import SpeculativeStep
+from .._step import SpeculativeStep
 
-
-__all__ = ["OutputDistribution", "lossless_error", "output_distribution"]
 
 # Enumeration costs V^G calls' worth of rows; past this it is no longer a quick check.
 _MAX_SEQUENCES = 1_000_000

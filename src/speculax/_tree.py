@@ -1,0 +1,508 @@
+"""Tree verification: recursive rejection sampling over a draft tree. See
+`docs/trees.md`."""
+
+import abc
+from typing import ClassVar, TypedDict, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._failures import (
+    RESULTS,
+    Failure,
+    first_failure,
+    not_a_probability,
+    outside_unit_interval,
+    raise_first_failure,
+)
+from ._numerics import as_index, flush_subnormal, index_array, upcast
+from ._random import KeyArray, uniforms
+from ._sampling import AbstractSampler, InverseCDF
+from ._step import InputArray, optional_array
+from ._vocab_axis import ordered_row_sums
+
+
+class AbstractSiblingRule(eqx.Module):
+    """What a rejected child leaves for its next sibling: the distributions that the
+    next child of the same node is tested against, and, if every child fails, the one
+    the token is drawn from.
+
+    At a node with target distribution $p$ and draft distribution $q$, a child $c$
+    passes when $u_c \\, q(c) < p(c)$. When it fails, the rule returns the new
+    $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
+    depends on how the children were drawn: the rule must match the drafter.
+
+    The concrete rules are final: to change one, wrap it in a piece of your own.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        """**Arguments:**
+
+        - `target`: $p$, the node's current target distribution, normalised, in the
+            arithmetic dtype.
+        - `draft`: $q$, the node's current draft distribution, normalised; for
+            deterministic drafts the one-hot of the rejected token.
+        - `rejected`: $c$, the token of the child that failed.
+
+        **Returns:**
+
+        The unnormalised $(p', q')$ for the next sibling, non-negative, of shape
+        `(vocab,)`. A $p'$ with no mass makes the step fall back to the node's target
+        row.
+        """
+
+
+@final
+class IndependentSiblings(AbstractSiblingRule):
+    """For children drawn independently from $q$ (with replacement, as SpecInfer
+    does): $p' = \\max(p - q, 0)$ and $q' = q$, the multi-step speculative sampling
+    of SpecInfer. Also the rule for deterministic drafts (`draft_probs=None`), where
+    $q$ is the one-hot of each child in turn and $p'$ is $p$ with the child taken
+    out: the target-only rule of SGLang and TensorRT-LLM.
+    """
+
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        del rejected
+        return jnp.maximum(target - draft, 0), draft
+
+
+@final
+class SiblingsWithoutReplacement(AbstractSiblingRule):
+    """For children drawn from $q$ without replacement (one after another, each from
+    $q$ renormalised without the ones before: Gumbel-top-k, stochastic beam search):
+    $p' = \\max(p - q, 0)$ and $q'$ is $q$ without the rejected token, the recursive
+    rejection sampling of Jeon et al. (2024).
+    """
+
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        others = jnp.arange(draft.shape[-1]) != rejected
+        return jnp.maximum(target - draft, 0), jnp.where(others, draft, 0)
+
+
+class TreeOutput(TypedDict):
+    """What one tree verification step returns: a plain `dict` with these keys.
+
+    - `num_accepted`: int32 `(batch,)`, the depth $n$ of the accepted path.
+    - `tokens`: int32 `(batch, max_depth + 1)`: the $n$ tokens of the accepted
+        path, then the drawn token, then `-1`.
+    - `accepted_nodes`: int32 `(batch, max_depth + 1)`: the nodes of the accepted
+        path (root excluded), then `-1`; the KV-cache entries an engine keeps.
+    - `result`: a [`speculax.RESULTS`][] item per row, as for the chain step.
+    """
+
+    num_accepted: Int[Array, " batch"]
+    tokens: Int[Array, "batch depth+1"]
+    accepted_nodes: Int[Array, "batch depth+1"]
+    result: RESULTS
+
+
+class _Walk(eqx.Module):
+    """The state of one row's walk down its tree, node by node in index order."""
+
+    current: Int[Array, ""]
+    depth: Int[Array, ""]
+    # Whether `target` and `draft` hold the distributions left by rejected children
+    # (`target` unnormalised, with its mass) rather than the current node's rows.
+    updated: Bool[Array, ""]
+    target: Float[Array, " vocab"]
+    target_mass: Float[Array, ""]
+    draft: Float[Array, " vocab"]
+    path_tokens: Int[Array, " path"]
+    path_nodes: Int[Array, " path"]
+    bad_target: Bool[Array, ""]
+    bad_draft: Bool[Array, ""]
+
+
+@final
+class TreeStep(eqx.Module):
+    """One verification step over a batch of draft trees, by recursive rejection
+    sampling: lossless when the sibling rule matches how the children were drawn.
+
+    At each node, starting at the root, the children are tried in index order; a
+    child $c$ passes when $u_c \\, q(c) < p(c)$ and the walk moves into it. A failed
+    child leaves the distributions of the sibling rule for the next one. When every
+    child of a node fails, the token is drawn from what they left; when the walk
+    reaches a node without children, the bonus token is drawn from its target row.
+    A residual without mass falls back to the node's target row, as in the chain
+    step.
+
+    **Arguments:**
+
+    - `siblings`: an [`speculax.AbstractSiblingRule`][]; default
+        [`speculax.IndependentSiblings`][].
+    - `sampler`: an [`speculax.AbstractSampler`][]; default
+        [`speculax.InverseCDF`][].
+    - `max_depth`: keyword only, the longest path kept, a static positive integer,
+        or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
+        ignored.
+    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    """
+
+    siblings: AbstractSiblingRule = IndependentSiblings()
+    sampler: AbstractSampler = InverseCDF()
+    max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
+    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
+    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    reads_uniforms: ClassVar[bool] = True
+
+    def __check_init__(self):
+        if self.max_depth is not None and self.max_depth < 1:
+            raise ValueError(f"max_depth must be positive; got {self.max_depth}")
+        if not self.check_values and not self.throw:
+            raise ValueError("throw=False needs check_values=True")
+        if self.sampler.axis_name is not None:
+            raise ValueError("the tree step reads whole rows; got a sampler axis_name")
+
+    def __call__(
+        self,
+        parents: InputArray,
+        tree_tokens: InputArray,
+        draft_probs: InputArray | None,
+        target_probs: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        key: KeyArray | None = None,
+    ) -> TreeOutput:
+        """Runs the step on a batch of $B$ trees of up to $N$ draft nodes each, over a
+        vocabulary of $V$. Node 0 is the root, the last verified token; the draft
+        nodes are $1, \\dots, N$.
+
+        **Arguments:**
+
+        - `parents`: integer `(B, N)`: entry $j - 1$ is the parent of node $j$, in
+            `[0, j)` (parents come first), or `-1` for an unused slot.
+        - `tree_tokens`: integer `(B, N)`: entry $j - 1$ is the token of node $j$.
+        - `draft_probs`: float `(B, N + 1, V)`: row $k$ is the distribution the
+            children of node $k$ were drawn from; or `None` for deterministic drafts
+            (each child's $q$ its own one-hot).
+        - `target_probs`: float `(B, N + 1, V)`: row $k$ is the target distribution
+            of the token after the path from the root to node $k$.
+        - `accept_uniforms`: float `(B, N)` in `[0, 1)`, the coin of each node.
+        - `sample_uniforms`: float `(B,)` in `[0, 1)`, the final draw's.
+        - `key`: keyword only, a PRNG key to draw both uniforms from instead.
+
+        **Returns:**
+
+        A [`speculax.TreeOutput`][] dict.
+        """
+        parents = index_array(parents)
+        tree_tokens = index_array(tree_tokens)
+        target_probs = jnp.asarray(target_probs)
+        draft_probs = optional_array(draft_probs)
+        accept_uniforms = optional_array(accept_uniforms)
+        sample_uniforms = optional_array(sample_uniforms)
+        _check_tree_structure(
+            parents,
+            tree_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+        )
+        batch, num_nodes = parents.shape
+        if key is not None:
+            if accept_uniforms is not None or sample_uniforms is not None:
+                raise ValueError(
+                    "pass either key or accept_uniforms and sample_uniforms, not both"
+                )
+            accept_uniforms, sample_uniforms = uniforms(key, batch, num_nodes)
+        if accept_uniforms is None or sample_uniforms is None:
+            raise ValueError(
+                "accept_uniforms and sample_uniforms are required; pass them, or key= "
+                "to draw"
+            )
+        parents, tree_tokens = as_index(parents), as_index(tree_tokens)
+        max_depth = num_nodes if self.max_depth is None else self.max_depth
+        vocab = target_probs.shape[-1]
+
+        def one_tree(row):
+            return self._walk(max_depth, *row)
+
+        rows = (parents, tree_tokens, draft_probs, target_probs, accept_uniforms)
+        walks = jax.lax.map(one_tree, rows)
+        drawn, bad_row = self._draw(walks, target_probs, sample_uniforms)
+        depth = walks.depth
+        position = jnp.arange(max_depth + 1)[None, :]
+        tokens = jnp.where(
+            position < depth[:, None],
+            walks.path_tokens,
+            jnp.where(position == depth[:, None], drawn[:, None], -1),
+        )
+        output: TreeOutput = {
+            "num_accepted": depth,
+            "tokens": tokens.astype(jnp.int32),
+            "accepted_nodes": walks.path_nodes,
+            "result": first_failure([], batch),
+        }
+        if not self.check_values or batch == 0:
+            return output
+        failures = _tree_failures(
+            parents,
+            tree_tokens,
+            accept_uniforms,
+            sample_uniforms,
+            vocab,
+            walks,
+            bad_row,
+            drawn,
+        )
+        result = first_failure(failures, batch)
+        output["result"] = result
+        if self.throw:
+            return raise_first_failure(output, result)
+        failed = result != RESULTS.successful
+        return {
+            "num_accepted": jnp.where(failed, 0, output["num_accepted"]),
+            "tokens": jnp.where(failed[:, None], -1, output["tokens"]),
+            "accepted_nodes": jnp.where(failed[:, None], -1, output["accepted_nodes"]),
+            "result": result,
+        }
+
+    def _walk(
+        self,
+        max_depth: int,
+        parents: Int[Array, " nodes"],
+        tree_tokens: Int[Array, " nodes"],
+        draft_probs: Float[Array, "nodes+1 vocab"] | None,
+        target_probs: Float[Array, "nodes+1 vocab"],
+        accept_uniforms: Float[Array, " nodes"],
+    ) -> _Walk:
+        """One row's walk: every node is visited once, in index order, and tested
+        when its parent is the current node (parents come first, so the children of
+        a node all follow it). Only a failed test reads whole rows."""
+        vocab = target_probs.shape[-1]
+        dtype = upcast(target_probs[0, :1]).dtype
+
+        def target_row(node):
+            return upcast(target_probs[node])
+
+        def draft_row(node, token):
+            if draft_probs is None:
+                return (jnp.arange(vocab) == token).astype(dtype)
+            return upcast(draft_probs[node])
+
+        def visit(j, walk: _Walk) -> _Walk:
+            token = tree_tokens[j]
+            is_child = (parents[j] == walk.current) & (walk.depth < max_depth)
+            return jax.lax.cond(is_child, test, skip, j, token, walk)
+
+        def skip(j, token, walk: _Walk) -> _Walk:
+            del j, token
+            return walk
+
+        def test(j, token, walk: _Walk) -> _Walk:
+            at = jnp.clip(token, 0, vocab - 1)
+            raw_target = upcast(target_probs[walk.current, at])
+            if draft_probs is None:
+                raw_draft = jnp.ones((), dtype)
+            else:
+                raw_draft = upcast(draft_probs[walk.current, at])
+            target_at = jnp.where(
+                walk.updated, walk.target[at] / walk.target_mass, raw_target
+            )
+            draft_at = jnp.where(
+                walk.updated & (draft_probs is not None), walk.draft[at], raw_draft
+            )
+            walk = eqx.tree_at(
+                lambda w: (w.bad_target, w.bad_draft),
+                walk,
+                (
+                    walk.bad_target | not_a_probability(raw_target),
+                    walk.bad_draft | not_a_probability(raw_draft),
+                ),
+            )
+            passed = accept_uniforms[j] * draft_at < target_at
+            return jax.lax.cond(passed, accept, reject, j, token, walk)
+
+        def accept(j, token, walk: _Walk) -> _Walk:
+            return eqx.tree_at(
+                lambda w: (w.current, w.depth, w.updated, w.path_tokens, w.path_nodes),
+                walk,
+                (
+                    j + 1,
+                    walk.depth + 1,
+                    jnp.array(False),
+                    walk.path_tokens.at[walk.depth].set(token),
+                    walk.path_nodes.at[walk.depth].set(j + 1),
+                ),
+            )
+
+        def reject(j, token, walk: _Walk) -> _Walk:
+            del j
+            # Both rows here are normalised: the node's own rows as given, or what
+            # the children before left, divided by its mass.
+            target = jnp.where(
+                walk.updated,
+                walk.target / walk.target_mass,
+                target_row(walk.current),
+            )
+            if draft_probs is None:
+                draft = draft_row(walk.current, token)
+            else:
+                draft = jnp.where(walk.updated, walk.draft, draft_row(walk.current, 0))
+            left, draft = self.siblings(target, draft, token)
+            # A difference of two normal numbers can be subnormal: it counts as zero.
+            left = flush_subnormal(left)
+            mass = ordered_row_sums(left, None)
+            fallback = mass == 0
+            left = jnp.where(fallback, target_row(walk.current), left)
+            mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
+            draft_mass = ordered_row_sums(draft, None)
+            draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+            return eqx.tree_at(
+                lambda w: (
+                    w.updated,
+                    w.target,
+                    w.target_mass,
+                    w.draft,
+                    w.bad_target,
+                    w.bad_draft,
+                ),
+                walk,
+                (
+                    jnp.array(True),
+                    left,
+                    mass,
+                    draft,
+                    walk.bad_target | ~jnp.isfinite(mass),
+                    walk.bad_draft | ~jnp.isfinite(draft_mass),
+                ),
+            )
+
+        start = _Walk(
+            current=jnp.zeros((), jnp.int32),
+            depth=jnp.zeros((), jnp.int32),
+            updated=jnp.array(False),
+            target=jnp.zeros((vocab,), dtype),
+            target_mass=jnp.ones((), dtype),
+            draft=jnp.zeros((vocab,), dtype),
+            path_tokens=jnp.full((max_depth + 1,), -1, jnp.int32),
+            path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
+            bad_target=jnp.array(False),
+            bad_draft=jnp.array(False),
+        )
+        if parents.shape[0] == 0:
+            # No draft nodes: the walk ends at the root (and the loop's body, traced
+            # even for zero steps, would index empty arrays).
+            return start
+        return jax.lax.fori_loop(0, parents.shape[0], visit, start)
+
+    def _draw(
+        self,
+        walks: _Walk,
+        target_probs: Float[Array, "batch positions vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
+        """The final token, from what the rejected children left or from the target
+        row of the node the walk ended at (the bonus token), and whether the weights
+        drawn from hold a negative or non-finite value."""
+        batch = target_probs.shape[0]
+        own_row = upcast(target_probs[jnp.arange(batch), walks.current])
+        weights = jnp.where(walks.updated[:, None], walks.target, own_row)
+        bad_row = jnp.any(not_a_probability(weights), axis=-1)
+        return self.sampler(weights, sample_uniforms), bad_row
+
+
+def _check_tree_structure(
+    parents: Array,
+    tree_tokens: Array,
+    draft_probs: Array | None,
+    target_probs: Array,
+    accept_uniforms: Array | None,
+    sample_uniforms: Array | None,
+) -> None:
+    """Trace-time checks of ranks, sizes and dtypes, naming the argument."""
+    arguments = {
+        "parents": (parents, 2, jnp.integer),
+        "tree_tokens": (tree_tokens, 2, jnp.integer),
+        "draft_probs": (draft_probs, 3, jnp.floating),
+        "target_probs": (target_probs, 3, jnp.floating),
+        "accept_uniforms": (accept_uniforms, 2, jnp.floating),
+        "sample_uniforms": (sample_uniforms, 1, jnp.floating),
+    }
+    for name, (x, rank, kind) in arguments.items():
+        if x is None:
+            continue
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank}; got shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, kind):
+            kind_name = "an integer" if kind is jnp.integer else "a floating-point"
+            raise TypeError(f"{name} must have {kind_name} dtype; got {x.dtype}")
+    batch, num_nodes = parents.shape
+    vocab = target_probs.shape[-1]
+    if vocab < 1:
+        raise ValueError(
+            f"target_probs must have a vocabulary of at least 1; got {vocab}"
+        )
+    expected = {
+        "tree_tokens": ("(B, N)", (batch, num_nodes), tree_tokens),
+        "target_probs": ("(B, N + 1, V)", (batch, num_nodes + 1, vocab), target_probs),
+        "draft_probs": ("(B, N + 1, V)", (batch, num_nodes + 1, vocab), draft_probs),
+        "accept_uniforms": ("(B, N)", (batch, num_nodes), accept_uniforms),
+        "sample_uniforms": ("(B,)", (batch,), sample_uniforms),
+    }
+    for name, (pattern, want, x) in expected.items():
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(
+                f"{name} must have shape {pattern} = {want}, with B and N from "
+                f"parents {tuple(parents.shape)} and V from target_probs; got "
+                f"{tuple(x.shape)}"
+            )
+
+
+def _tree_failures(
+    parents: Int[Array, "batch nodes"],
+    tree_tokens: Int[Array, "batch nodes"],
+    accept_uniforms: Float[Array, "batch nodes"],
+    sample_uniforms: Float[Array, " batch"],
+    vocab: int,
+    walks: _Walk,
+    bad_row: Bool[Array, " batch"],
+    drawn: Int[Array, " batch"],
+) -> list[Failure]:
+    """The value checks, in the order of `speculax.RESULTS`."""
+    num_nodes = parents.shape[1]
+    node = jnp.arange(1, num_nodes + 1)[None, :]
+    used = parents >= 0
+    parent_used = jnp.take_along_axis(
+        jnp.concatenate([jnp.ones_like(used[:, :1]), used], axis=1),
+        jnp.clip(parents, 0, num_nodes),
+        axis=1,
+    )
+    bad_parent = (parents < -1) | (parents >= node) | (used & ~parent_used)
+    return [
+        (jnp.any(bad_parent, axis=1), RESULTS.bad_parents),
+        (
+            jnp.any(used & ((tree_tokens < 0) | (tree_tokens >= vocab)), axis=1),
+            RESULTS.tree_token_out_of_range,
+        ),
+        (
+            jnp.any(used & outside_unit_interval(accept_uniforms), axis=1),
+            RESULTS.accept_uniform_out_of_range,
+        ),
+        (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
+        (walks.bad_target, RESULTS.bad_target_prob_at_draft_token),
+        (walks.bad_draft, RESULTS.bad_draft_prob_at_draft_token),
+        (bad_row, RESULTS.bad_target_row),
+        ((drawn < 0) | (drawn >= vocab), RESULTS.no_mass),
+    ]

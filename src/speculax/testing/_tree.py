@@ -1,0 +1,221 @@
+"""Exact output distributions of the tree step, by enumeration of every draft tree."""
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Float
+
+from .._tree import TreeStep
+
+
+# A language model for the enumeration: the distribution of the next token after a
+# prefix of tokens (the root's own prefix being the empty tuple).
+Model: TypeAlias = Callable[[tuple[int, ...]], Float[np.ndarray, " vocab"]]
+Drafting: TypeAlias = Literal["independent", "without replacement", "deterministic"]
+_MAX_TREES = 200_000
+
+
+def tree_output_distribution(
+    step: TreeStep,
+    parents: Sequence[int],
+    target: Model,
+    draft: Model,
+    vocab: int,
+    *,
+    drafting: Drafting,
+    tree_tokens: Sequence[int] | None = None,
+) -> dict[tuple[int, ...], float]:
+    """Computes exactly, in float64, the distribution of the tokens one tree step
+    emits, over every draft tree of the shape `parents` and over the uniforms.
+
+    Each draft node's token is enumerated, with the probability that the drafter
+    gives the tree: the children of node $k$ drawn from $q_k$, which is
+    `draft(prefix)` for the tokens on the path to $k$, either independently, or one
+    after another without replacement; or fixed (`"deterministic"`, from
+    `tree_tokens`). The target row of node $k$ is `target(prefix)`. The uniforms are
+    integrated out analytically: a child $c$ tested against $(p, q)$ passes with
+    probability $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$), and a rejection
+    leaves what `step.siblings` returns, normalised, with the step's fallback to the
+    node's target row. The final token is drawn from the normalised weights (the
+    sampler is assumed exact; test it statistically).
+
+    **Arguments:**
+
+    - `step`: the [`speculax.TreeStep`][] whose sibling rule and `max_depth` to use.
+    - `parents`: the parent of each draft node $1, \\dots, N$, as for the step
+        (`-1` for an unused slot).
+    - `target`, `draft`: functions from a tuple of tokens to a float64 distribution
+        of shape `(vocab,)`.
+    - `vocab`: $V$.
+    - `drafting`: keyword only, how the children were drawn: `"independent"`,
+        `"without replacement"` or `"deterministic"`.
+    - `tree_tokens`: keyword only, the tokens of the nodes, for `"deterministic"`.
+
+    **Returns:**
+
+    A dict from each emitted token sequence (the accepted path, then the drawn
+    token) to its probability; the probabilities sum to 1.
+
+    **Raises:**
+
+    `ValueError` for bad parents, a missing or unneeded `tree_tokens`, or more than
+    200,000 draft trees.
+    """
+    parents = list(parents)
+    num_nodes = len(parents)
+    used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
+    for j in used:
+        if not 0 <= parents[j - 1] < j:
+            raise ValueError(f"node {j} has parent {parents[j - 1]}, not in [0, {j})")
+    if (drafting == "deterministic") != (tree_tokens is not None):
+        raise ValueError('tree_tokens is needed exactly for drafting="deterministic"')
+    if drafting != "deterministic" and vocab ** len(used) > _MAX_TREES:
+        raise ValueError(f"{vocab}^{len(used)} draft trees is too many to enumerate")
+    children = {k: [j for j in used if parents[j - 1] == k] for k in [0, *used]}
+    max_depth = num_nodes if step.max_depth is None else step.max_depth
+    sibling_rule = _compiled_rule(step)
+    distribution: dict[tuple[int, ...], float] = {}
+
+    def emit(prefix, probs, weight):
+        for v in np.flatnonzero(probs):
+            key = (*prefix, int(v))
+            distribution[key] = distribution.get(key, 0.0) + weight * probs[v]
+
+    def walk(node, depth, prefix, tokens, weight):
+        own = np.asarray(target(prefix), np.float64)
+        p, q = own, np.asarray(draft(prefix), np.float64)
+        for child in children[node] if depth < max_depth else []:
+            token = tokens[child]
+            if drafting == "deterministic":
+                q = np.eye(vocab)[token]
+            passes = _pass_probability(float(p[token]), float(q[token]))
+            if passes > 0:
+                walk(child, depth + 1, (*prefix, token), tokens, weight * passes)
+            weight *= 1 - passes
+            if weight == 0:
+                return
+            left, q = sibling_rule(p, q, token)
+            if left.sum() == 0:
+                left = own
+            p = left / left.sum()
+            q = q / q.sum() if q.sum() > 0 else q
+        emit(prefix, p, weight)
+
+    if drafting == "deterministic":
+        assert tree_tokens is not None
+        assignments = [({j: int(tree_tokens[j - 1]) for j in used}, 1.0)]
+    else:
+        assignments = _draft_trees(used, parents, draft, vocab, drafting)
+    for tokens, weight in assignments:
+        walk(0, 0, (), tokens, weight)
+    return distribution
+
+
+def tree_lossless_error(
+    step: TreeStep,
+    parents: Sequence[int],
+    target: Model,
+    draft: Model,
+    vocab: int,
+    *,
+    drafting: Drafting,
+    tree_tokens: Sequence[int] | None = None,
+) -> float:
+    """How far `step` is from lossless on draft trees of the shape `parents`: the
+    largest absolute difference, over every token sequence $s$ emitted with positive
+    probability before its end and every token $a$, between
+    $P(\\text{the emitted tokens start with } s a)$ and
+    $P(\\text{they start with } s \\text{ and go on}) \\cdot$ `target(s)[a]`.
+
+    Zero exactly when every emitted token, given the ones before it, is distributed
+    as the target model; a lossless step gives rounding error only, about
+    $10^{-16}$. The arguments are those of
+    [`speculax.testing.tree_output_distribution`][].
+    """
+    distribution = tree_output_distribution(
+        step,
+        parents,
+        target,
+        draft,
+        vocab,
+        drafting=drafting,
+        tree_tokens=tree_tokens,
+    )
+    starts: dict[tuple[int, ...], float] = {}
+    for sequence, probability in distribution.items():
+        for length in range(len(sequence) + 1):
+            prefix = sequence[:length]
+            starts[prefix] = starts.get(prefix, 0.0) + probability
+    error = abs(sum(distribution.values()) - 1)
+    for prefix, reach in starts.items():
+        # `reach` counts sequences that start with `prefix`, ended or not; those
+        # that go on are the ones the next token is emitted for.
+        go_on = reach - distribution.get(prefix, 0.0)
+        if go_on <= 0:
+            continue
+        expected = go_on * np.asarray(target(prefix), np.float64)
+        for a in range(vocab):
+            error = max(error, abs(starts.get((*prefix, a), 0.0) - expected[a]))
+    return float(error)
+
+
+def _pass_probability(target_at: float, draft_at: float) -> float:
+    if draft_at > 0:
+        return min(1.0, target_at / draft_at)
+    return 1.0 if target_at > 0 else 0.0
+
+
+def _draft_trees(used, parents, draft, vocab, drafting):
+    """Every assignment of tokens to the used nodes, with its probability under the
+    drafter; assignments of probability 0 are left out."""
+    for values in itertools.product(range(vocab), repeat=len(used)):
+        tokens = dict(zip(used, values, strict=True))
+        weight = 1.0
+        for j in used:
+            parent = parents[j - 1]
+            prefix = _path(j, parents, tokens)[:-1]
+            q = np.asarray(draft(prefix), np.float64)
+            token = tokens[j]
+            if drafting == "independent":
+                weight *= q[token]
+            else:
+                before = [tokens[k] for k in used if k < j and parents[k - 1] == parent]
+                if token in before:
+                    weight = 0.0
+                    break
+                remaining = 1 - sum(q[t] for t in before)
+                weight *= q[token] / remaining if remaining > 0 else 0.0
+            if weight == 0:
+                break
+        if weight > 0:
+            yield tokens, weight
+
+
+def _path(node, parents, tokens):
+    """The tokens on the path from the root to `node`, the node's own last."""
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node - 1]
+    return tuple(reversed(path))
+
+
+def _compiled_rule(step: TreeStep):
+    """The step's sibling rule on float64 NumPy rows, compiled once."""
+    rule = eqx.filter_jit(step.siblings)
+
+    def call(p, q, token):
+        with jax.enable_x64(True):
+            left, draft = rule(
+                jnp.asarray(p, jnp.float64),
+                jnp.asarray(q, jnp.float64),
+                jnp.asarray(token, jnp.int32),
+            )
+            return np.asarray(left, np.float64), np.asarray(draft, np.float64)
+
+    return call

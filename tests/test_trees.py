@@ -1,0 +1,349 @@
+"""Tree verification: exact losslessness for each way of drawing children, negative
+controls, the chi-square test of the jitted step, the chain equivalence, batch
+invariance and bad input."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from inputs import random_inputs
+
+
+VOCAB = 4
+# Depth 2 x width 2; width 3 x depth 1; an uneven tree with an unused slot.
+SHAPES = {
+    "2x2": [0, 0, 1, 1, 2, 2],
+    "width 3": [0, 0, 0],
+    "uneven": [0, 1, -1, 0, 2],
+}
+
+
+def language_model(seed: int, adversarial: bool = False):
+    """A model over `VOCAB` tokens: a distribution for every prefix, without zeros
+    (where small or one-hot cases could make a wrong rule exact by coincidence).
+    `adversarial` puts most of the mass where the seed-0 target puts the least."""
+
+    @functools.cache
+    def model(prefix: tuple[int, ...]) -> np.ndarray:
+        rng = np.random.default_rng([seed, len(prefix), *prefix])
+        weights = rng.gamma(1.0, size=VOCAB) + 0.05
+        if adversarial:
+            weights[np.argmin(TARGET(prefix))] += 5
+        return weights / weights.sum()
+
+    return model
+
+
+TARGET = language_model(0)
+DRAFTS = {"random": language_model(1), "adversarial": language_model(2, True)}
+
+
+def _rule(drafting: str):
+    import speculax
+
+    if drafting == "without replacement":
+        return speculax.SiblingsWithoutReplacement()
+    return speculax.IndependentSiblings()
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("drafting", ["independent", "without replacement"])
+def test_lossless_by_exact_enumeration(drafting, shape, draft):
+    import speculax
+    import speculax.testing
+
+    error = speculax.testing.tree_lossless_error(
+        speculax.TreeStep(_rule(drafting)),
+        SHAPES[shape],
+        TARGET,
+        DRAFTS[draft],
+        VOCAB,
+        drafting=drafting,
+    )
+    assert error < 1e-12
+
+
+@pytest.mark.parametrize(
+    "shape, tokens",
+    [("2x2", [1, 2, 0, 3, 3, 1]), ("width 3", [2, 0, 3]), ("uneven", [1, 1, -1, 0, 2])],
+)
+def test_deterministic_drafts_are_lossless(shape, tokens):
+    import speculax
+    import speculax.testing
+
+    error = speculax.testing.tree_lossless_error(
+        speculax.TreeStep(),
+        SHAPES[shape],
+        TARGET,
+        DRAFTS["random"],
+        VOCAB,
+        drafting="deterministic",
+        tree_tokens=tokens,
+    )
+    assert error < 1e-12
+
+
+@pytest.mark.parametrize(
+    "drafting, wrong_rule",
+    [("independent", "without replacement"), ("without replacement", "independent")],
+)
+@pytest.mark.parametrize("shape", ["2x2", "width 3"])
+def test_the_enumeration_catches_a_rule_that_does_not_match_the_drafter(
+    drafting, wrong_rule, shape
+):
+    import speculax
+    import speculax.testing
+
+    error = speculax.testing.tree_lossless_error(
+        speculax.TreeStep(_rule(wrong_rule)),
+        SHAPES[shape],
+        TARGET,
+        DRAFTS["random"],
+        VOCAB,
+        drafting=drafting,
+    )
+    assert error > 1e-3
+
+
+def test_the_enumeration_catches_a_residual_that_forgets_the_draft():
+    import speculax
+    import speculax.testing
+
+    class KeepTarget(speculax.AbstractSiblingRule):
+        def __call__(self, target, draft, rejected):
+            return target, draft
+
+    error = speculax.testing.tree_lossless_error(
+        speculax.TreeStep(KeepTarget()),
+        SHAPES["width 3"],
+        TARGET,
+        DRAFTS["random"],
+        VOCAB,
+        drafting="independent",
+    )
+    assert error > 1e-3
+
+
+def _sample_trees(rng, parents, num_trees, drafting):
+    """Draft trees drawn as a drafter would, with each node's draft and target rows
+    from the models of its path: the inputs of the step, `(B, N)` and
+    `(B, N + 1, V)`."""
+    num_nodes = len(parents)
+    tokens = np.full((num_trees, num_nodes), -1)
+    draft_rows = np.zeros((num_trees, num_nodes + 1, VOCAB))
+    target_rows = np.zeros((num_trees, num_nodes + 1, VOCAB))
+    draft = DRAFTS["random"]
+    for b in range(num_trees):
+        paths = {0: ()}
+        for k in range(num_nodes + 1):
+            if k > 0 and parents[k - 1] < 0:
+                continue
+            if k > 0:
+                parent = parents[k - 1]
+                q = draft(paths[parent])
+                if drafting == "without replacement":
+                    taken = [
+                        tokens[b, j - 1]
+                        for j in range(1, k)
+                        if parents[j - 1] == parent
+                    ]
+                    q = q.copy()
+                    q[taken] = 0
+                    q /= q.sum()
+                tokens[b, k - 1] = rng.choice(VOCAB, p=q)
+                paths[k] = (*paths[parent], int(tokens[b, k - 1]))
+            draft_rows[b, k] = draft(paths[k])
+            target_rows[b, k] = TARGET(paths[k])
+    return tokens, draft_rows, target_rows
+
+
+@pytest.mark.parametrize("drafting", ["independent", "without replacement"])
+def test_the_jitted_step_draws_the_exact_distribution(drafting):
+    """A chi-square test of the emitted sequences of the compiled step against the
+    enumeration's exact distribution (which the tests above prove lossless)."""
+    import speculax
+    import speculax.testing
+
+    parents = SHAPES["2x2"]
+    step = speculax.TreeStep(_rule(drafting))
+    exact = speculax.testing.tree_output_distribution(
+        step, parents, TARGET, DRAFTS["random"], VOCAB, drafting=drafting
+    )
+    num_trees = 20_000
+    tokens, q, p = _sample_trees(np.random.default_rng(7), parents, num_trees, drafting)
+    out = _jitted(step)(
+        np.tile(parents, (num_trees, 1)),
+        tokens,
+        q.astype(np.float32),
+        p.astype(np.float32),
+        key=jax.random.key(11),
+    )
+    emitted = [tuple(row[row >= 0].tolist()) for row in np.asarray(out["tokens"])]
+    sequences = sorted(exact)
+    observed = np.array([emitted.count(s) for s in sequences])
+    assert observed.sum() == num_trees
+    expected = num_trees * np.array([exact[s] for s in sequences])
+    # Pool the sequences expected fewer than 5 times, as the test requires.
+    small = expected < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@functools.cache
+def _jitted(step):
+    return eqx.filter_jit(step)
+
+
+def _chain_as_tree(inputs):
+    """A chain's inputs as a tree's: node i + 1 is the child of node i."""
+    batch, num_draft, vocab = inputs["draft_probs"].shape
+    tree_draft = np.concatenate(
+        [inputs["draft_probs"], np.zeros((batch, 1, vocab), np.float32)], axis=1
+    )
+    return {
+        "parents": np.tile(np.arange(num_draft), (batch, 1)),
+        "tree_tokens": inputs["draft_tokens"],
+        "draft_probs": tree_draft,
+        "target_probs": inputs["target_probs"],
+        "accept_uniforms": inputs["accept_uniforms"],
+        "sample_uniforms": inputs["sample_uniforms"],
+    }
+
+
+@pytest.mark.parametrize("style", ["peaked", "sparse", "onehot"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["q", "no q"])
+def test_a_chain_is_verified_as_the_chain_step_does(style, deterministic):
+    """Bit for bit, with some uniforms exactly on their ratio p/q, where `<` and
+    `<=` part."""
+    import speculax
+
+    inputs = random_inputs(3, 64, 4, 300, style, uniforms="ties")
+    inputs["accept_uniforms"][:4] = 0  # rows that accept every draft
+    tree = _chain_as_tree(inputs)
+    if deterministic:
+        inputs["draft_probs"] = tree["draft_probs"] = None
+    chain = speculax.speculative_step(**inputs)
+    out = _jitted(speculax.TreeStep())(**tree)
+    np.testing.assert_array_equal(out["num_accepted"], chain["num_accepted"])
+    np.testing.assert_array_equal(out["tokens"], chain["tokens"])
+    depth = np.asarray(chain["num_accepted"])[:, None]
+    position = np.arange(5)[None, :]
+    np.testing.assert_array_equal(
+        out["accepted_nodes"], np.where(position < depth, position + 1, -1)
+    )
+
+
+def _random_tree_inputs(seed, batch):
+    rng = np.random.default_rng(seed)
+    parents = np.array([0, 0, 1, 1, 2, 0, 3])
+    inputs = random_inputs(seed, batch, len(parents), 64)
+    return {
+        "parents": np.tile(parents, (batch, 1)),
+        "tree_tokens": rng.integers(0, 64, (batch, len(parents))),
+        "draft_probs": inputs["target_probs"][:, ::-1].copy(),
+        "target_probs": inputs["target_probs"],
+        "accept_uniforms": rng.random((batch, len(parents)), np.float32) * 0.3,
+        "sample_uniforms": inputs["sample_uniforms"],
+    }
+
+
+def test_row_alone_equals_row_in_batch():
+    import speculax
+
+    inputs = _random_tree_inputs(5, 12)
+    run = _jitted(speculax.TreeStep())
+    batched = run(**inputs)
+    assert 0 < np.mean(batched["num_accepted"]) < 3
+    reversed_rows = run(**{name: value[::-1] for name, value in inputs.items()})
+    for name in ("num_accepted", "tokens", "accepted_nodes"):
+        np.testing.assert_array_equal(reversed_rows[name][::-1], batched[name])
+    for b in range(12):
+        alone = run(**{name: value[b : b + 1] for name, value in inputs.items()})
+        for name in ("num_accepted", "tokens", "accepted_nodes"):
+            np.testing.assert_array_equal(alone[name][0], batched[name][b])
+
+
+def test_accepted_nodes_follow_the_path():
+    """With coins of 0 every child the target allows passes: the walk takes each
+    node's first child, so the path is 1, 3, 5 (node 3 is node 1's first child, 5
+    node 3's, the only one of depth 3)."""
+    import speculax
+
+    inputs = _random_tree_inputs(6, 2)
+    inputs["parents"][:] = [0, 0, 1, 1, 3, 0, 2]
+    inputs["accept_uniforms"][:] = 0
+    out = _jitted(speculax.TreeStep())(**inputs)
+    assert out["accepted_nodes"].tolist() == [[1, 3, 5, -1] + [-1] * 4] * 2
+    tokens = inputs["tree_tokens"]
+    assert out["tokens"][:, :3].tolist() == tokens[:, [0, 2, 4]].tolist()
+    limited = speculax.TreeStep(max_depth=2)(**inputs)
+    assert limited["accepted_nodes"].tolist() == [[1, 3, -1]] * 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x: x["parents"].__setitem__((0, 2), 5), "parents must give"),
+        (lambda x: x["parents"].__setitem__((1, 3), -2), "parents must give"),
+        (lambda x: x["parents"].__setitem__((0, 0), -1), "parents must give"),
+        (lambda x: x["tree_tokens"].__setitem__((1, 0), 64), "tree_tokens must lie"),
+        (lambda x: x["accept_uniforms"].__setitem__((0, 1), 1.0), "accept_uniforms"),
+        (lambda x: x["sample_uniforms"].__setitem__(1, np.nan), "sample_uniforms"),
+        (
+            lambda x: x["target_probs"].__setitem__((0, 0, slice(None)), np.nan),
+            "target_probs must be finite",
+        ),
+    ],
+)
+def test_bad_values_raise_or_come_back_per_row(change, message):
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    change(inputs)
+    with pytest.raises(RuntimeError, match=message):
+        jax.block_until_ready(_jitted(speculax.TreeStep())(**inputs))
+    out = _jitted(speculax.TreeStep(throw=False))(**inputs)
+    messages = speculax.failure_messages(out["result"])
+    assert any(m.startswith(message) for m in messages), messages
+    for b, m in enumerate(messages):
+        if m:
+            assert out["tokens"][b].tolist() == [-1] * 8
+            assert out["num_accepted"][b] == 0
+
+
+def test_structure_errors_name_the_argument():
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    with pytest.raises(ValueError, match="target_probs must have shape"):
+        speculax.TreeStep()(**{**inputs, "target_probs": inputs["target_probs"][:, 1:]})
+    with pytest.raises(TypeError, match="parents must have an integer dtype"):
+        speculax.TreeStep()(**{**inputs, "parents": inputs["parents"] * 1.0})
+    with pytest.raises(ValueError, match="max_depth must be positive"):
+        speculax.TreeStep(max_depth=0)
+
+
+def test_empty_batch_and_empty_tree():
+    import speculax
+
+    inputs = _random_tree_inputs(9, 3)
+    empty = speculax.TreeStep()(**{name: value[:0] for name, value in inputs.items()})
+    assert empty["tokens"].shape == (0, 8)
+    no_nodes = {
+        "parents": inputs["parents"][:, :0],
+        "tree_tokens": inputs["tree_tokens"][:, :0],
+        "draft_probs": inputs["draft_probs"][:, :1],
+        "target_probs": inputs["target_probs"][:, :1],
+        "accept_uniforms": inputs["accept_uniforms"][:, :0],
+        "sample_uniforms": inputs["sample_uniforms"],
+    }
+    out = speculax.TreeStep()(**no_nodes)
+    assert out["num_accepted"].tolist() == [0, 0, 0]
+    assert bool(jnp.all(out["tokens"][:, 0] >= 0))
