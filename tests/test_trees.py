@@ -3,6 +3,7 @@ controls, the chi-square test of the jitted step, the chain equivalence, batch
 invariance and bad input."""
 
 import functools
+import itertools
 
 import equinox as eqx
 import jax
@@ -347,3 +348,101 @@ def test_empty_batch_and_empty_tree():
     out = speculax.TreeStep()(**no_nodes)
     assert out["num_accepted"].tolist() == [0, 0, 0]
     assert bool(jnp.all(out["tokens"][:, 0] >= 0))
+
+
+def test_parents_from_vllm_paths():
+    import speculax
+
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert speculax.parents_from_paths(paths).tolist() == [0, 0, 1, 1, 2, 3]
+    for bad, message in [
+        ([(0, 0), (0,)], "before its parent"),
+        ([(1,), (0,)], "sibling of higher rank"),
+        ([(0,), (0,)], "repeats"),
+        ([()], "non-empty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            speculax.parents_from_paths(bad)
+
+
+def _random_linked_tree(rng, positions):
+    """A random tree in SGLang's format, siblings linked in a random order, so that
+    the engine's order differs from the index order."""
+    next_token = np.full(positions, -1)
+    next_sibling = np.full(positions, -1)
+    children = {0: []}
+    for position in range(1, positions):
+        parent = int(rng.choice(list(children)))
+        children[parent].append(position)
+        children[position] = []
+    for parent, kids in children.items():
+        kids = list(rng.permutation(kids))
+        if kids:
+            next_token[parent] = kids[0]
+        for first, second in itertools.pairwise(kids):
+            next_sibling[first] = second
+    return next_token, next_sibling
+
+
+def _target_only_in_engine_order(next_token, next_sibling, tokens, p, u, s):
+    """The target-only rule walked on the engine's arrays, in float64: at each
+    position try the children in list order, a child passing when its coin is below
+    its probability under p without the children tried before, renormalised."""
+    position, path = 0, []
+    while True:
+        remaining = p[position].astype(np.float64)
+        child = next_token[position]
+        while child != -1:
+            if u[child] < remaining[tokens[child]] / remaining.sum():
+                break
+            remaining[tokens[child]] = 0
+            child = next_sibling[child]
+        if child == -1:
+            cdf = np.cumsum(remaining / remaining.sum())
+            return [*path, int(np.searchsorted(cdf, s, side="right"))]
+        path.append(int(tokens[child]))
+        position = child
+
+
+def test_sglang_trees_verify_as_the_target_only_rule():
+    """Converted with `tree_from_linked_lists`, the step with deterministic drafts
+    makes the target-only rule's decisions in the engine's sibling order."""
+    import speculax
+
+    rng = np.random.default_rng(12)
+    batch, positions, vocab = 32, 9, 6
+    lists = [_random_linked_tree(rng, positions) for _ in range(batch)]
+    next_token = np.stack([links[0] for links in lists])
+    next_sibling = np.stack([links[1] for links in lists])
+    candidates = rng.integers(0, vocab, (batch, positions))
+    p = rng.dirichlet(np.ones(vocab), (batch, positions)).astype(np.float32)
+    u = rng.random((batch, positions)).astype(np.float32) * 0.6
+    s = rng.random(batch).astype(np.float32)
+    parents, order = speculax.tree_from_linked_lists(next_token, next_sibling)
+    rows = np.arange(batch)[:, None]
+    out = speculax.TreeStep()(
+        parents,
+        candidates[rows, order[:, 1:]],
+        None,
+        p[rows, order],
+        u[rows, order[:, 1:]],
+        s,
+    )
+    for b in range(batch):
+        want = _target_only_in_engine_order(
+            next_token[b], next_sibling[b], candidates[b], p[b], u[b], s[b]
+        )
+        got = out["tokens"][b]
+        assert got[got >= 0].tolist() == want
+    assert 0 < np.mean(out["num_accepted"]) < 3
+
+
+def test_linked_lists_that_are_not_trees_are_refused():
+    import speculax
+
+    with pytest.raises(ValueError, match="reached twice"):
+        speculax.tree_from_linked_lists(np.array([[1, 0]]), np.array([[-1, -1]]))
+    with pytest.raises(ValueError, match="cycle"):
+        speculax.tree_from_linked_lists(np.array([[1, -1, -1]]), np.array([[-1, 2, 1]]))
+    with pytest.raises(ValueError, match="must lie in"):
+        speculax.tree_from_linked_lists(np.array([[3, -1]]), np.array([[-1, -1]]))

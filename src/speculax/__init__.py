@@ -46,6 +46,10 @@ from ._tree import (
     TreeOutput as TreeOutput,
     TreeStep as TreeStep,
 )
+from ._tree_formats import (
+    parents_from_paths as parents_from_paths,
+    tree_from_linked_lists as tree_from_linked_lists,
+)
 
 
 __version__ = importlib.metadata.version("speculax")
