@@ -18,6 +18,15 @@ Two variants compare against what a user would otherwise run:
 - **greedy** verification (`greedy_step()`): the baseline is a plain argmax
     verification written in JAX (`jnp.argmax` over every target row); the floor is one
     flat sum over all of `target_probs`, which greedy verification must read.
+
+And one for trees:
+
+- **tree**: `TreeStep()` on an EAGLE-2-like tree of $G$ draft nodes in levels of
+    ten (ten children of the root; at each level the four most likely nodes have 4,
+    3, 2 and 1 children), the children drawn independently from their parent's
+    draft row. The baseline is the same walk written the obvious way, vectorised over
+    the batch, every node updating `(B, V)` arrays by `jnp.where`; the floor reads
+    the target and draft rows of one root-to-leaf path per tree.
 """
 
 import dataclasses
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._step import SpeculativeStep, greedy_step
+from ._tree import TreeStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +87,7 @@ class Size:
         return text if self.variant == "default" else f"{text}:{self.variant}"
 
 
-VARIANTS = ("default", "deterministic", "greedy")
+VARIANTS = ("default", "deterministic", "greedy", "tree")
 
 
 DEFAULT_SIZES = (
@@ -88,6 +98,7 @@ DEFAULT_SIZES = (
     Size(8, 4, 262144),
     Size(64, 5, 128256, variant="deterministic"),
     Size(64, 5, 128256, variant="greedy"),
+    Size(8, 60, 128256, variant="tree"),
 )
 
 
@@ -121,6 +132,113 @@ def make_inputs(size: Size, seed: int = 0) -> tuple[Array, ...]:
         )
 
     return jax.block_until_ready(make(jax.random.key(seed)))
+
+
+def eagle_tree(num_nodes: int) -> list[int]:
+    """The parents of an EAGLE-2-like tree of `num_nodes` draft nodes, level by level
+    in levels of ten: ten children of the root, then at each level the first four
+    nodes have 4, 3, 2 and 1 children (the most likely ones expanded most)."""
+    parents: list[int] = []
+    level = [0]
+    while len(parents) < num_nodes:
+        if level == [0]:
+            fanout = [(0, 10)]
+        else:
+            fanout = list(zip(level[:4], (4, 3, 2, 1), strict=False))
+        next_level = []
+        for parent, count in fanout:
+            for _ in range(count):
+                if len(parents) < num_nodes:
+                    parents.append(parent)
+                    next_level.append(len(parents))
+        level = next_level
+    return parents
+
+
+def make_tree_inputs(size: Size, seed: int = 0) -> tuple[Array, ...]:
+    """Inputs of the tree variant: `eagle_tree(size.num_draft)`, target and draft
+    rows for every node as in `make_inputs`, each node's token drawn from its
+    parent's draft row.
+
+    **Returns:**
+
+    `(parents, tree_tokens, draft_probs, target_probs, accept_uniforms,
+    sample_uniforms)`.
+    """
+    batch, num_nodes, vocab = size.batch, size.num_draft, size.vocab
+    parents = jnp.tile(jnp.asarray(eagle_tree(num_nodes), jnp.int32), (batch, 1))
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, 5)
+        shape = (batch, num_nodes + 1, vocab)
+        target_logits = 2.0 * jax.random.normal(keys[0], shape)
+        draft_logits = target_logits + 0.5 * jax.random.normal(keys[1], shape)
+        parent_logits = jnp.take_along_axis(draft_logits, parents[:, :, None], axis=1)
+        tree_tokens = jax.random.categorical(keys[2], parent_logits, axis=-1)
+        return (
+            parents,
+            tree_tokens.astype(jnp.int32),
+            jax.nn.softmax(draft_logits, axis=-1),
+            jax.nn.softmax(target_logits, axis=-1),
+            jax.random.uniform(keys[3], (batch, num_nodes)),
+            jax.random.uniform(keys[4], (batch,)),
+        )
+
+    return jax.block_until_ready(make(jax.random.key(seed)))
+
+
+def baseline_tree_step(
+    parents: Int[Array, "batch nodes"],
+    tree_tokens: Int[Array, "batch nodes"],
+    draft_probs: Float[Array, "batch positions vocab"],
+    target_probs: Float[Array, "batch positions vocab"],
+    accept_uniforms: Float[Array, "batch nodes"],
+    sample_uniforms: Float[Array, " batch"],
+) -> dict[str, Array]:
+    """The tree walk written the obvious way: one loop over the nodes for the whole
+    batch, every node gathering each row's current target and draft rows and
+    updating `(B, V)` arrays with `jnp.where`, then `jnp.cumsum` for the draw.
+    Independent drafts; the same answers as `TreeStep()` up to rounding."""
+    batch, num_nodes = parents.shape
+    rows = jnp.arange(batch)
+
+    def visit(j, state):
+        current, depth, p, q, path = state
+        token = tree_tokens[:, j]
+        is_child = parents[:, j] == current
+        p_x = jnp.take_along_axis(p, token[:, None], axis=1)[:, 0]
+        q_x = jnp.take_along_axis(q, token[:, None], axis=1)[:, 0]
+        passed = is_child & (accept_uniforms[:, j] * q_x < p_x)
+        rejected = is_child & ~passed
+        residual = jnp.maximum(p - q, 0)
+        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        residual = jnp.where(mass > 0, residual / mass, target_probs[rows, current])
+        p = jnp.where(rejected[:, None], residual, p)
+        p = jnp.where(passed[:, None], target_probs[rows, j + 1], p)
+        q = jnp.where(passed[:, None], draft_probs[rows, j + 1], q)
+        path = jnp.where(
+            passed[:, None] & (jnp.arange(path.shape[1]) == depth[:, None]),
+            token[:, None],
+            path,
+        )
+        current = jnp.where(passed, j + 1, current)
+        return current, depth + passed, p, q, path
+
+    start = (
+        jnp.zeros(batch, jnp.int32),
+        jnp.zeros(batch, jnp.int32),
+        target_probs[:, 0],
+        draft_probs[:, 0],
+        jnp.full((batch, num_nodes + 1), -1, jnp.int32),
+    )
+    _, depth, p, _, path = jax.lax.fori_loop(0, num_nodes, visit, start)
+    cdf = jnp.cumsum(p / jnp.sum(p, axis=-1, keepdims=True), axis=-1)
+    drawn = jnp.argmax(cdf > sample_uniforms[:, None], axis=-1).astype(jnp.int32)
+    tokens = jnp.where(
+        jnp.arange(num_nodes + 1) == depth[:, None], drawn[:, None], path
+    )
+    return {"num_accepted": depth, "tokens": tokens}
 
 
 def baseline_step(
@@ -202,6 +320,15 @@ def _functions(
 ) -> tuple[Callable, tuple, Callable, tuple, tuple]:
     """The step, the baseline and the floor of a size's variant, each with its
     arguments."""
+    if size.variant == "tree":
+        path = jnp.asarray(_root_to_leaf(eagle_tree(size.num_draft)))
+        return (
+            TreeStep(),
+            inputs,
+            baseline_tree_step,
+            inputs,
+            (inputs[3][:, path], inputs[2][:, path]),
+        )
     draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = inputs
     row_copies = (target_probs[:, 0], draft_probs[:, 0])
     if size.variant == "deterministic":
@@ -225,6 +352,19 @@ def _functions(
     return SpeculativeStep(), inputs, baseline_step, inputs, row_copies
 
 
+def _root_to_leaf(parents: list[int]) -> list[int]:
+    """The nodes of the path from the root to the first deepest node."""
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    node = depth.index(max(depth))
+    path = [node]
+    while node:
+        node = parents[node - 1]
+        path.append(node)
+    return path[::-1]
+
+
 def _timed_compile(function: Callable, *args: Any) -> tuple[Any, float, int]:
     start = time.perf_counter()
     compiled = jax.jit(function).lower(*args).compile()
@@ -245,7 +385,7 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     `compile_s` of the default step, and `temp_limit_bytes` ($2 B V \\cdot 4$ bytes plus
     1 MiB).
     """
-    inputs = make_inputs(size, seed)
+    inputs = (make_tree_inputs if size.variant == "tree" else make_inputs)(size, seed)
     step_fn, step_args, baseline_fn, baseline_args, rows = _functions(size, inputs)
     # Copies, so that the floor reads contiguous arrays.
     rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))

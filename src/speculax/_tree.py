@@ -131,6 +131,22 @@ class _Walk(eqx.Module):
     bad_draft: Bool[Array, ""]
 
 
+def _start(vocab: int, dtype, max_depth: int) -> _Walk:
+    """A walk at the root, before any node is visited."""
+    return _Walk(
+        current=jnp.zeros((), jnp.int32),
+        depth=jnp.zeros((), jnp.int32),
+        updated=jnp.array(False),
+        target=jnp.zeros((vocab,), dtype),
+        target_mass=jnp.ones((), dtype),
+        draft=jnp.zeros((vocab,), dtype),
+        path_tokens=jnp.full((max_depth + 1,), -1, jnp.int32),
+        path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
+        bad_target=jnp.array(False),
+        bad_draft=jnp.array(False),
+    )
+
+
 @final
 class TreeStep(eqx.Module):
     """One verification step over a batch of draft trees, by recursive rejection
@@ -235,11 +251,28 @@ class TreeStep(eqx.Module):
         max_depth = num_nodes if self.max_depth is None else self.max_depth
         vocab = target_probs.shape[-1]
 
-        def one_tree(row):
-            return self._walk(max_depth, *row)
+        def one_tree(b):
+            return self._walk(
+                max_depth,
+                b,
+                parents,
+                tree_tokens,
+                draft_probs,
+                target_probs,
+                accept_uniforms,
+            )
 
-        rows = (parents, tree_tokens, draft_probs, target_probs, accept_uniforms)
-        walks = jax.lax.map(one_tree, rows)
+        if batch == 0:
+            # The loop's body, traced even for no rows, would index empty arrays.
+            dtype = upcast(target_probs[:, :0, :0]).dtype
+            walks = jax.tree.map(
+                lambda x: jnp.zeros((0, *x.shape), x.dtype),
+                _start(vocab, dtype, max_depth),
+            )
+        else:
+            # A loop over the row indices, the arrays read in place: looping over
+            # the rows themselves would copy each tree's (N + 1, V) slab.
+            walks = jax.lax.map(one_tree, jnp.arange(batch, dtype=jnp.int32))
         drawn, bad_row = self._draw(walks, target_probs, sample_uniforms)
         depth = walks.depth
         position = jnp.arange(max_depth + 1)[None, :]
@@ -281,29 +314,35 @@ class TreeStep(eqx.Module):
     def _walk(
         self,
         max_depth: int,
-        parents: Int[Array, " nodes"],
-        tree_tokens: Int[Array, " nodes"],
-        draft_probs: Float[Array, "nodes+1 vocab"] | None,
-        target_probs: Float[Array, "nodes+1 vocab"],
-        accept_uniforms: Float[Array, " nodes"],
+        b: Int[Array, ""],
+        parents: Int[Array, "batch nodes"],
+        tree_tokens: Int[Array, "batch nodes"],
+        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
+        target_probs: Float[Array, "batch nodes+1 vocab"],
+        accept_uniforms: Float[Array, "batch nodes"],
     ) -> _Walk:
-        """One row's walk: every node is visited once, in index order, and tested
-        when its parent is the current node (parents come first, so the children of
-        a node all follow it). Only a failed test reads whole rows."""
+        """The walk of row `b`: every node is visited once, in index order, and
+        tested when its parent is the current node (parents come first, so the
+        children of a node all follow it). Only a failed test reads whole rows."""
         vocab = target_probs.shape[-1]
-        dtype = upcast(target_probs[0, :1]).dtype
+        dtype = upcast(target_probs[0, 0, :1]).dtype
+
+        def row(probs, node):
+            zero = jnp.zeros((), jnp.int32)
+            sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, vocab))
+            return upcast(sliced[0, 0])
 
         def target_row(node):
-            return upcast(target_probs[node])
+            return row(target_probs, node)
 
         def draft_row(node, token):
             if draft_probs is None:
                 return (jnp.arange(vocab) == token).astype(dtype)
-            return upcast(draft_probs[node])
+            return row(draft_probs, node)
 
         def visit(j, walk: _Walk) -> _Walk:
-            token = tree_tokens[j]
-            is_child = (parents[j] == walk.current) & (walk.depth < max_depth)
+            token = tree_tokens[b, j]
+            is_child = (parents[b, j] == walk.current) & (walk.depth < max_depth)
             return jax.lax.cond(is_child, test, skip, j, token, walk)
 
         def skip(j, token, walk: _Walk) -> _Walk:
@@ -312,11 +351,11 @@ class TreeStep(eqx.Module):
 
         def test(j, token, walk: _Walk) -> _Walk:
             at = jnp.clip(token, 0, vocab - 1)
-            raw_target = upcast(target_probs[walk.current, at])
+            raw_target = upcast(target_probs[b, walk.current, at])
             if draft_probs is None:
                 raw_draft = jnp.ones((), dtype)
             else:
-                raw_draft = upcast(draft_probs[walk.current, at])
+                raw_draft = upcast(draft_probs[b, walk.current, at])
             target_at = jnp.where(
                 walk.updated, walk.target[at] / walk.target_mass, raw_target
             )
@@ -331,7 +370,7 @@ class TreeStep(eqx.Module):
                     walk.bad_draft | not_a_probability(raw_draft),
                 ),
             )
-            passed = accept_uniforms[j] * draft_at < target_at
+            passed = accept_uniforms[b, j] * draft_at < target_at
             return jax.lax.cond(passed, accept, reject, j, token, walk)
 
         def accept(j, token, walk: _Walk) -> _Walk:
@@ -389,23 +428,12 @@ class TreeStep(eqx.Module):
                 ),
             )
 
-        start = _Walk(
-            current=jnp.zeros((), jnp.int32),
-            depth=jnp.zeros((), jnp.int32),
-            updated=jnp.array(False),
-            target=jnp.zeros((vocab,), dtype),
-            target_mass=jnp.ones((), dtype),
-            draft=jnp.zeros((vocab,), dtype),
-            path_tokens=jnp.full((max_depth + 1,), -1, jnp.int32),
-            path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
-            bad_target=jnp.array(False),
-            bad_draft=jnp.array(False),
-        )
-        if parents.shape[0] == 0:
+        start = _start(vocab, dtype, max_depth)
+        if parents.shape[1] == 0:
             # No draft nodes: the walk ends at the root (and the loop's body, traced
             # even for zero steps, would index empty arrays).
             return start
-        return jax.lax.fori_loop(0, parents.shape[0], visit, start)
+        return jax.lax.fori_loop(0, parents.shape[1], visit, start)
 
     def _draw(
         self,
