@@ -15,16 +15,25 @@ from speculax._bench import (
     Size,
     argmax_verification,
     baseline_step,
+    baseline_tree_step,
+    eagle_tree,
     floor,
     format_table,
     make_inputs,
+    make_tree_inputs,
 )
 
 
 def test_bench_command_runs_on_tiny_sizes(capsys):
     from speculax._cli import main
 
-    sizes = ["2x3x300", "3x2x257:bfloat16", "2x2x300:deterministic", "2x2x300:greedy"]
+    sizes = [
+        "2x3x300",
+        "3x2x257:bfloat16",
+        "2x2x300:deterministic",
+        "2x2x300:greedy",
+        "2x25x300:tree",
+    ]
     status = main(["bench", "--sizes", *sizes, "--repeats", "1", "--json"])
     assert status == 0
     report = json.loads(capsys.readouterr().out)
@@ -35,6 +44,7 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         "3x2x257:bfloat16",
         "2x2x300:float32:deterministic",
         "2x2x300:float32:greedy",
+        "2x25x300:float32:tree",
     ]
     for row in rows:
         for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s"):
@@ -43,7 +53,7 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
         assert 0 <= row["temp_bytes"] <= row["temp_limit_bytes"]
     table = format_table(rows)
-    assert table.count("\n") == 5 and "| 2 | 3 | 300 | float32 | default |" in table
+    assert table.count("\n") == 6 and "| 2 | 3 | 300 | float32 | default |" in table
     assert "| 2 | 2 | 300 | float32 | greedy |" in table
 
 
@@ -106,6 +116,28 @@ def test_the_variants_baselines_agree_with_their_steps(seed):
     explicit = step(tokens, one_hot, target, accept, sample)
     for name in ("num_accepted", "tokens"):
         np.testing.assert_array_equal(deterministic[name], explicit[name])
+
+
+def test_the_tree_baseline_agrees_with_the_tree_step():
+    size = Size(12, 40, 600, variant="tree")
+    inputs = make_tree_inputs(size, seed=5)
+    expected = jax.jit(baseline_tree_step)(*inputs)
+    got = jax.jit(speculax.TreeStep())(*inputs)
+    np.testing.assert_array_equal(got["num_accepted"], expected["num_accepted"])
+    np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+    assert np.asarray(got["num_accepted"]).max() >= 3
+    assert eagle_tree(60)[:11] == [0] * 10 + [1]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
+def test_the_tree_step_copies_no_tree():
+    """The walk reads the rows in place: a loop over the rows themselves copied each
+    tree's (N + 1, V) slab, 30 rows of V here."""
+    size = Size(4, 14, 20000, variant="tree")
+    inputs = make_tree_inputs(size)
+    compiled = jax.jit(speculax.TreeStep()).lower(*inputs).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 4 * size.batch * size.vocab * 4
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")

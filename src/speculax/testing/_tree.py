@@ -29,6 +29,7 @@ def tree_output_distribution(
     *,
     drafting: Drafting,
     tree_tokens: Sequence[int] | None = None,
+    target_only: bool = False,
 ) -> dict[tuple[int, ...], float]:
     """Computes exactly, in float64, the distribution of the tokens one tree step
     emits, over every draft tree of the shape `parents` and over the uniforms.
@@ -55,6 +56,9 @@ def tree_output_distribution(
     - `drafting`: keyword only, how the children were drawn: `"independent"`,
         `"without replacement"` or `"deterministic"`.
     - `tree_tokens`: keyword only, the tokens of the nodes, for `"deterministic"`.
+    - `target_only`: keyword only, whether the step is given no draft probabilities
+        (`draft_probs=None`) whatever the drafter did: the target-only rule, each
+        child's $q$ its own one-hot. Default `False`.
 
     **Returns:**
 
@@ -91,7 +95,7 @@ def tree_output_distribution(
         p, q = own, np.asarray(draft(prefix), np.float64)
         for child in children[node] if depth < max_depth else []:
             token = tokens[child]
-            if drafting == "deterministic":
+            if target_only or drafting == "deterministic":
                 q = np.eye(vocab)[token]
             passes = _pass_probability(float(p[token]), float(q[token]))
             if passes > 0:
@@ -125,6 +129,7 @@ def tree_lossless_error(
     *,
     drafting: Drafting,
     tree_tokens: Sequence[int] | None = None,
+    target_only: bool = False,
 ) -> float:
     """How far `step` is from lossless on draft trees of the shape `parents`: the
     largest absolute difference, over every token sequence $s$ emitted with positive
@@ -145,6 +150,7 @@ def tree_lossless_error(
         vocab,
         drafting=drafting,
         tree_tokens=tree_tokens,
+        target_only=target_only,
     )
     starts: dict[tuple[int, ...], float] = {}
     for sequence, probability in distribution.items():
