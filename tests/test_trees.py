@@ -288,6 +288,13 @@ def test_accepted_nodes_follow_the_path():
     assert limited["accepted_nodes"].tolist() == [[1, 3, -1]] * 2
 
 
+def _overflowing_root(inputs):
+    tokens = inputs["tree_tokens"][1]
+    root = inputs["target_probs"][1, 0]
+    root[:] = 3e37
+    root[tokens] = 0
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -301,6 +308,9 @@ def test_accepted_nodes_follow_the_path():
             lambda x: x["target_probs"].__setitem__((0, 0, slice(None)), np.nan),
             "target_probs must be finite",
         ),
+        # Row 1 rejects every child of the root (coins of 1 - ulp against p = 0),
+        # then draws from a residual of finite values summing past float32.
+        (_overflowing_root, "target_probs must have rows whose total"),
     ],
 )
 def test_bad_values_raise_or_come_back_per_row(change, message):
@@ -317,6 +327,18 @@ def test_bad_values_raise_or_come_back_per_row(change, message):
         if m:
             assert out["tokens"][b].tolist() == [-1] * 8
             assert out["num_accepted"][b] == 0
+
+
+def test_vmap_over_an_extra_leading_axis():
+    import speculax
+
+    inputs = _random_tree_inputs(10, 4)
+    stacked = {name: np.stack([value, value[::-1]]) for name, value in inputs.items()}
+    out = jax.vmap(speculax.TreeStep())(**stacked)
+    alone = _jitted(speculax.TreeStep())(**inputs)
+    for name in ("num_accepted", "tokens", "accepted_nodes"):
+        np.testing.assert_array_equal(out[name][0], alone[name])
+        np.testing.assert_array_equal(out[name][1], alone[name][::-1])
 
 
 def test_structure_errors_name_the_argument():

@@ -129,6 +129,8 @@ class _Walk(eqx.Module):
     path_nodes: Int[Array, " path"]
     bad_target: Bool[Array, ""]
     bad_draft: Bool[Array, ""]
+    # Whether what a rejected child left summed past the largest float.
+    overflow: Bool[Array, ""]
 
 
 def _start(vocab: int, dtype, max_depth: int) -> _Walk:
@@ -144,6 +146,7 @@ def _start(vocab: int, dtype, max_depth: int) -> _Walk:
         path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
         bad_target=jnp.array(False),
         bad_draft=jnp.array(False),
+        overflow=jnp.array(False),
     )
 
 
@@ -273,7 +276,7 @@ class TreeStep(eqx.Module):
             # A loop over the row indices, the arrays read in place: looping over
             # the rows themselves would copy each tree's (N + 1, V) slab.
             walks = jax.lax.map(one_tree, jnp.arange(batch, dtype=jnp.int32))
-        drawn, bad_row = self._draw(walks, target_probs, sample_uniforms)
+        drawn, row_failures = self._draw(walks, target_probs, sample_uniforms)
         depth = walks.depth
         position = jnp.arange(max_depth + 1)[None, :]
         tokens = jnp.where(
@@ -296,7 +299,7 @@ class TreeStep(eqx.Module):
             sample_uniforms,
             vocab,
             walks,
-            bad_row,
+            row_failures,
             drawn,
         )
         result = first_failure(failures, batch)
@@ -416,6 +419,7 @@ class TreeStep(eqx.Module):
                     w.draft,
                     w.bad_target,
                     w.bad_draft,
+                    w.overflow,
                 ),
                 walk,
                 (
@@ -423,8 +427,9 @@ class TreeStep(eqx.Module):
                     left,
                     mass,
                     draft,
-                    walk.bad_target | ~jnp.isfinite(mass),
-                    walk.bad_draft | ~jnp.isfinite(draft_mass),
+                    walk.bad_target | jnp.any(not_a_probability(target)),
+                    walk.bad_draft | jnp.any(not_a_probability(draft)),
+                    walk.overflow | jnp.isinf(mass),
                 ),
             )
 
@@ -440,15 +445,20 @@ class TreeStep(eqx.Module):
         walks: _Walk,
         target_probs: Float[Array, "batch positions vocab"],
         sample_uniforms: Float[Array, " batch"],
-    ) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
+    ) -> tuple[Int[Array, " batch"], list[Failure]]:
         """The final token, from what the rejected children left or from the target
-        row of the node the walk ended at (the bonus token), and whether the weights
-        drawn from hold a negative or non-finite value."""
+        row of the node the walk ended at (the bonus token), and the checks of the
+        weights drawn from: a negative or non-finite value, a total that overflows."""
         batch = target_probs.shape[0]
         own_row = upcast(target_probs[jnp.arange(batch), walks.current])
         weights = jnp.where(walks.updated[:, None], walks.target, own_row)
         bad_row = jnp.any(not_a_probability(weights), axis=-1)
-        return self.sampler(weights, sample_uniforms), bad_row
+        overflows = walks.overflow | jnp.isinf(ordered_row_sums(weights, None))
+        failures = [
+            (bad_row, RESULTS.bad_target_row),
+            (overflows, RESULTS.target_row_overflows),
+        ]
+        return self.sampler(weights, sample_uniforms), failures
 
 
 def _check_tree_structure(
@@ -505,7 +515,7 @@ def _tree_failures(
     sample_uniforms: Float[Array, " batch"],
     vocab: int,
     walks: _Walk,
-    bad_row: Bool[Array, " batch"],
+    row_failures: list[Failure],
     drawn: Int[Array, " batch"],
 ) -> list[Failure]:
     """The value checks, in the order of `speculax.RESULTS`."""
@@ -531,6 +541,6 @@ def _tree_failures(
         (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
         (walks.bad_target, RESULTS.bad_target_prob_at_draft_token),
         (walks.bad_draft, RESULTS.bad_draft_prob_at_draft_token),
-        (bad_row, RESULTS.bad_target_row),
+        *row_failures,
         ((drawn < 0) | (drawn >= vocab), RESULTS.no_mass),
     ]
