@@ -468,3 +468,50 @@ def test_linked_lists_that_are_not_trees_are_refused():
         speculax.tree_from_linked_lists(np.array([[1, -1, -1]]), np.array([[-1, 2, 1]]))
     with pytest.raises(ValueError, match="must lie in"):
         speculax.tree_from_linked_lists(np.array([[3, -1]]), np.array([[-1, -1]]))
+
+
+def _uniforms_on_block_edges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each row, uniforms within 3 float32 steps of every block edge of its
+    float64 cumulative sum: where the last bit of a block sum decides the block."""
+    blocks = rows.reshape(rows.shape[0], -1, 256).astype(np.float64).sum(-1)
+    edges = np.cumsum(blocks, -1)[:, :-1] / blocks.sum(-1, keepdims=True)
+    which, uniforms = [], []
+    for b, row_edges in enumerate(edges):
+        for edge in row_edges.astype(np.float32):
+            for step in range(-3, 4):
+                u = edge
+                for _ in range(abs(step)):
+                    u = np.nextafter(u, np.float32(np.sign(step)))
+                which.append(b)
+                uniforms.append(u)
+    return np.array(which), np.array(uniforms, np.float32)
+
+
+def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
+    """Bit for bit also where the token depends on the last bit of a block sum: the
+    tree step sums the weights in the lanes of the chain step's row summary, for
+    either row strategy."""
+    import speculax
+
+    rng = np.random.default_rng(13)
+    vocab = 16 * 256
+    target = rng.random((6, 2, vocab)).astype(np.float32) + 0.01
+    target /= target.sum(-1, keepdims=True)
+    draft = rng.random((6, 1, vocab)).astype(np.float32) + 0.01
+    draft /= draft.sum(-1, keepdims=True)
+    # The first draft token is rejected (coin 1 - ulp against p/q < 1, since the
+    # token is where p is smallest relative to q): the draw is from max(p - q, 0).
+    tokens = np.argmin(target[:, 0] / draft[:, 0], axis=-1)[:, None]
+    weights = np.maximum(target[:, 0] - draft[:, 0], 0)
+    which, uniforms = _uniforms_on_block_edges(weights)
+    chain = {
+        "draft_tokens": tokens[which],
+        "draft_probs": draft[which],
+        "target_probs": target[which],
+        "accept_uniforms": np.full((which.size, 1), 0.99999, np.float32),
+        "sample_uniforms": uniforms,
+    }
+    want = jax.jit(speculax.SpeculativeStep())(**chain)
+    assert np.all(np.asarray(want["num_accepted"]) == 0)
+    got = jax.jit(speculax.TreeStep())(**_chain_as_tree(chain))
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])

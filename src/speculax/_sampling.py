@@ -94,24 +94,42 @@ class InverseCDF(AbstractSampler):
         weights: Float[Array, "batch vocab"],
         sample_uniforms: Float[Array, " batch"],
     ) -> Int[Array, " batch"]:
-        weights = upcast(weights)
-        batch, vocab = weights.shape
-        block_size = min(self.block_size, vocab)
-        num_blocks = -(-vocab // block_size)
-        padding = num_blocks * block_size - vocab
-        blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
-            batch, num_blocks, block_size
-        )
-        return draw_from_blocks(
-            ordered_block_sums(weights, block_size, lanes=8),
-            lambda block: jnp.take_along_axis(blocks, block[:, None, None], axis=1)[
-                :, 0
-            ],
-            block_size,
-            vocab,
+        return inverse_cdf(
+            weights,
             sample_uniforms,
-            self.axis_name,
+            self.block_size,
+            lanes=8,
+            axis_name=self.axis_name,
         )
+
+
+def inverse_cdf(
+    weights: Float[Array, "batch vocab"],
+    sample_uniforms: Float[Array, " batch"],
+    block_size: int,
+    *,
+    lanes: int,
+    axis_name: str | None,
+) -> Int[Array, " batch"]:
+    """[`speculax.InverseCDF`][]'s draw, its block sums added in `lanes` lanes (see
+    `ordered_block_sums`): the lanes fix the last bit of the block sums, and so the
+    token drawn for a uniform on a block's edge."""
+    weights = upcast(weights)
+    batch, vocab = weights.shape
+    block_size = min(block_size, vocab)
+    num_blocks = -(-vocab // block_size)
+    padding = num_blocks * block_size - vocab
+    blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
+        batch, num_blocks, block_size
+    )
+    return draw_from_blocks(
+        ordered_block_sums(weights, block_size, lanes=lanes),
+        lambda block: jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0],
+        block_size,
+        vocab,
+        sample_uniforms,
+        axis_name,
+    )
 
 
 @final

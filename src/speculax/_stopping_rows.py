@@ -123,8 +123,8 @@ def stopping_row_summary(
     A `RowSummary`.
     """
     if per_row is None:
-        per_row = _per_row_default()
-    if _half(target_probs, *([] if draft_probs is None else [draft_probs])):
+        per_row = summary_loops_over_rows(target_probs, draft_probs)
+    elif _half(target_probs, *([] if draft_probs is None else [draft_probs])):
         per_row = False
     num_draft = target_probs.shape[1] - 1
     limit = num_draft if num_draft_tokens is None else num_draft_tokens
@@ -266,10 +266,7 @@ def _row_block_sums(
     batch, positions, vocab = target_probs.shape
     num_draft = positions - 1
 
-    # The lane counts measured fastest on XLA CPU: 32 for one float32 row at a time
-    # (16 took 1.1-1.3 times as long at V = 128256 and 262144, 8 twice as long), 8
-    # for a batch of gathered half-precision rows (16 took three times as long).
-    lanes = 32 if per_row else 8
+    lanes = summation_lanes(per_row)
 
     def block_sums(target_row, draft_row, subtracting):
         # Works on (..., vocab) rows; `subtracting` broadcasts against them.
@@ -302,6 +299,29 @@ def _row_block_sums(
         num_accepted, draft_probs, target_probs, rejected
     )
     return block_sums(target_row, draft_row, subtracting[:, None])
+
+
+def summation_lanes(per_row: bool) -> int:
+    """The lanes the summary adds its blocks in (`ordered_block_sums`): they fix the
+    last bit of every block sum, so a step that must draw the same token as the
+    chain step's summary sums its weights in the same lanes.
+
+    The lane counts measured fastest on XLA CPU: 32 for one float32 row at a time
+    (16 took 1.1-1.3 times as long at V = 128256 and 262144, 8 twice as long), 8 for
+    a batch of gathered half-precision rows (16 took three times as long).
+    """
+    return 32 if per_row else 8
+
+
+def summary_loops_over_rows(
+    target_probs: Float[Array, "batch positions vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+) -> bool:
+    """Whether `stopping_row_summary`, by default, loops over the batch for these
+    inputs (see its `per_row`)."""
+    return _per_row_default() and not _half(
+        target_probs, *([] if draft_probs is None else [draft_probs])
+    )
 
 
 def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:

@@ -19,8 +19,9 @@ from ._failures import (
 )
 from ._numerics import as_index, flush_subnormal, index_array, upcast
 from ._random import KeyArray, uniforms
-from ._sampling import AbstractSampler, InverseCDF
+from ._sampling import AbstractSampler, InverseCDF, inverse_cdf
 from ._step import InputArray, optional_array
+from ._stopping_rows import summary_loops_over_rows, summation_lanes
 from ._vocab_axis import ordered_row_sums
 
 
@@ -276,7 +277,9 @@ class TreeStep(eqx.Module):
             # A loop over the row indices, the arrays read in place: looping over
             # the rows themselves would copy each tree's (N + 1, V) slab.
             walks = jax.lax.map(one_tree, jnp.arange(batch, dtype=jnp.int32))
-        drawn, row_failures = self._draw(walks, target_probs, sample_uniforms)
+        drawn, row_failures = self._draw(
+            walks, draft_probs, target_probs, sample_uniforms
+        )
         depth = walks.depth
         position = jnp.arange(max_depth + 1)[None, :]
         tokens = jnp.where(
@@ -443,12 +446,18 @@ class TreeStep(eqx.Module):
     def _draw(
         self,
         walks: _Walk,
+        draft_probs: Float[Array, "batch positions vocab"] | None,
         target_probs: Float[Array, "batch positions vocab"],
         sample_uniforms: Float[Array, " batch"],
     ) -> tuple[Int[Array, " batch"], list[Failure]]:
         """The final token, from what the rejected children left or from the target
         row of the node the walk ended at (the bonus token), and the checks of the
-        weights drawn from: a negative or non-finite value, a total that overflows."""
+        weights drawn from: a negative or non-finite value, a total that overflows.
+
+        [`speculax.InverseCDF`][] sums the weights in the lanes the chain step's
+        row summary uses for the same inputs, so that a chain drawn as a tree gets
+        the chain step's token even for a uniform on a block's edge.
+        """
         batch = target_probs.shape[0]
         own_row = upcast(target_probs[jnp.arange(batch), walks.current])
         weights = jnp.where(walks.updated[:, None], walks.target, own_row)
@@ -458,7 +467,18 @@ class TreeStep(eqx.Module):
             (bad_row, RESULTS.bad_target_row),
             (overflows, RESULTS.target_row_overflows),
         ]
-        return self.sampler(weights, sample_uniforms), failures
+        if type(self.sampler) is InverseCDF:
+            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
+            drawn = inverse_cdf(
+                weights,
+                sample_uniforms,
+                self.sampler.block_size,
+                lanes=lanes,
+                axis_name=None,
+            )
+        else:
+            drawn = self.sampler(weights, sample_uniforms)
+        return drawn, failures
 
 
 def _check_tree_structure(
