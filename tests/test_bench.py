@@ -132,12 +132,12 @@ def test_the_tree_baseline_agrees_with_the_tree_step():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
 def test_the_tree_step_copies_no_tree():
     """The walk reads the rows in place: a loop over the rows themselves copied each
-    tree's (N + 1, V) slab, 30 rows of V here."""
-    size = Size(4, 14, 20000, variant="tree")
+    tree's two (N + 1, V) slabs, 82 rows of V here, against a few (B, V) rows."""
+    size = Size(4, 40, 20000, variant="tree")
     inputs = make_tree_inputs(size)
     compiled = jax.jit(speculax.TreeStep()).lower(*inputs).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp < 4 * size.batch * size.vocab * 4
+    assert temp < 8 * size.batch * size.vocab * 4
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")

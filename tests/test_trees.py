@@ -515,3 +515,132 @@ def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
     assert np.all(np.asarray(want["num_accepted"]) == 0)
     got = jax.jit(speculax.TreeStep())(**_chain_as_tree(chain))
     np.testing.assert_array_equal(got["tokens"], want["tokens"])
+
+
+def _reference_walk(parents, tokens, q, p, u, s, without_replacement, max_depth):
+    """The rule of `docs/trees.md`, walked in float64 NumPy for one tree; `q` is
+    None for deterministic drafts. Returns the emitted tokens and the path's
+    nodes."""
+    vocab = p.shape[-1]
+    children = {k: [] for k in range(len(parents) + 1)}
+    for j, parent in enumerate(parents, start=1):
+        if parent >= 0:
+            children[parent].append(j)
+    node, path, nodes = 0, [], []
+    while True:
+        own = p[node]
+        target, draft = own, None if q is None else q[node]
+        accepted = None
+        for child in children[node] if len(path) < max_depth else []:
+            token = tokens[child - 1]
+            if q is None:
+                draft = np.eye(vocab)[token]
+            if u[child - 1] * draft[token] < target[token]:
+                accepted = child
+                break
+            left = np.maximum(target - draft, 0)
+            if without_replacement:
+                draft = np.where(np.arange(vocab) == token, 0, draft)
+            if left.sum() == 0:
+                left = own
+            target = left / left.sum()
+            draft = draft / draft.sum() if draft.sum() > 0 else draft
+        if accepted is None:
+            cdf = np.cumsum(target) / target.sum()
+            return [*path, int(np.argmax(cdf > s))], nodes
+        path.append(int(tokens[accepted - 1]))
+        nodes.append(accepted)
+        node = accepted
+
+
+@pytest.mark.parametrize("max_depth", [None, 1])
+@pytest.mark.parametrize(
+    "drafting", ["independent", "without replacement", "deterministic"]
+)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_step_walks_the_rule(shape, drafting, max_depth):
+    """The compiled step against the rule walked in float64, with random coins, on
+    every shape (an unused slot, the third sibling of width 3), with and without a
+    depth limit: the link between the step and the enumeration that proves the
+    rule lossless."""
+    import speculax
+
+    parents = SHAPES[shape]
+    rng = np.random.default_rng(len(parents))
+    batch, vocab = 64, 6
+    p = rng.dirichlet(np.ones(vocab) * 0.7, (batch, len(parents) + 1))
+    q = rng.dirichlet(np.ones(vocab) * 0.7, (batch, len(parents) + 1))
+    tokens = rng.integers(0, vocab, (batch, len(parents)))
+    u = rng.random((batch, len(parents)))
+    s = rng.random(batch)
+    deterministic = drafting == "deterministic"
+    step = speculax.TreeStep(_rule(drafting), max_depth=max_depth)
+    with jax.enable_x64(True):
+        out = jax.jit(step)(
+            np.tile(parents, (batch, 1)), tokens, None if deterministic else q, p, u, s
+        )
+    depth = len(parents) if max_depth is None else max_depth
+    for b in range(batch):
+        want, nodes = _reference_walk(
+            parents,
+            tokens[b],
+            None if deterministic else q[b],
+            p[b],
+            u[b],
+            s[b],
+            drafting == "without replacement",
+            depth,
+        )
+        got = np.asarray(out["tokens"][b])
+        assert got[got >= 0].tolist() == want
+        got_nodes = np.asarray(out["accepted_nodes"][b])
+        assert got_nodes[got_nodes >= 0].tolist() == nodes
+
+
+def test_bad_draft_rows_are_named():
+    """A negative q at a token no child has still reaches the residual: reported
+    as a bad q_n row, as the chain step does, not drawn from."""
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    # The root's children (nodes 1, 2 and 6) all fail: the target gives them 0.
+    children = set(inputs["tree_tokens"][0, [0, 1, 5]].tolist())
+    inputs["target_probs"][0, 0, list(children)] = 0
+    free = next(v for v in range(64) if v not in children)
+    inputs["draft_probs"][0, 0, free] = -1.0
+    out = _jitted(speculax.TreeStep(throw=False))(**inputs)
+    messages = speculax.failure_messages(out["result"])
+    assert messages[0].startswith("draft_probs must be finite"), messages
+    assert "row q_n" in messages[0] and messages[1] == ""
+
+
+def test_a_parent_int32_cannot_hold_is_refused():
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    inputs["parents"] = inputs["parents"].astype(np.int64)
+    inputs["parents"][1, 6] = 2**33
+    out = speculax.TreeStep(throw=False)(**inputs)
+    messages = speculax.failure_messages(out["result"])
+    assert messages[0] == "" and messages[1].startswith("parents must give")
+
+
+def test_a_deterministic_sampler_needs_no_sample_uniforms():
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    del inputs["sample_uniforms"]
+    out = speculax.TreeStep(sampler=speculax.Argmax())(**inputs)
+    assert out["tokens"].shape == (2, 8)
+    with pytest.raises(ValueError, match="sample_uniforms is required"):
+        speculax.TreeStep()(**inputs)
+
+
+def test_mixed_precision_inputs_under_x64():
+    import speculax
+
+    inputs = _random_tree_inputs(8, 2)
+    with jax.enable_x64(True):
+        mixed = {**inputs, "draft_probs": inputs["draft_probs"].astype(np.float64)}
+        out = speculax.TreeStep()(**mixed)
+    assert out["tokens"].shape == (2, 8)

@@ -2,8 +2,8 @@
 enumeration, the value checks that produce it row by row, and the two ways of
 reporting it (raise, or return the codes)."""
 
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -267,6 +267,23 @@ def failure_messages(result: RESULTS) -> list[str]:
 
 def _row(result: RESULTS, b: int) -> RESULTS:
     return jax.tree.map(lambda code: code[b], result)
+
+
+_Output = TypeVar("_Output", bound=Mapping[str, Any])
+
+
+def empty_failed_rows(output: _Output, result: RESULTS) -> _Output:
+    """`output` (a step's dict, `result` among its keys) with every failed row
+    emptied, for `throw=False`: a count of 0 (`num_accepted`) and `-1` in every other
+    array."""
+    failed = result != RESULTS.successful
+    emptied: dict[str, Any] = {"result": result}
+    for name, value in output.items():
+        if name != "result":
+            fill = 0 if name == "num_accepted" else -1
+            row_failed = failed.reshape(failed.shape + (1,) * (value.ndim - 1))
+            emptied[name] = jnp.where(row_failed, fill, value)
+    return cast(_Output, emptied)
 
 
 def raise_first_failure(x: PyTree, result: RESULTS) -> PyTree:

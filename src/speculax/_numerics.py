@@ -33,14 +33,16 @@ def flush_subnormal(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jnp.where(jnp.abs(x) < jnp.finfo(x.dtype).smallest_normal, 0, x)
 
 
-def index_array(x: ArrayLike | Sequence[Any]) -> Array:
+def index_array(x: ArrayLike | Sequence[Any], unrepresentable: int = -1) -> Array:
     """An integer input (tokens, lengths) as a JAX array, narrowed without wrapping.
 
     JAX without x64 keeps at most 32-bit integers and would wrap a NumPy `int64`
     such as $2^{32} + 3$ to $3$, a plausible wrong token. Values that `int32` cannot
-    hold become $-1$ here, before any narrowing, which every check rejects as out of
-    range. JAX arrays pass through (see `as_index` for their narrowing). An empty
-    nested list, which NumPy would call float, is an empty integer array.
+    hold become `unrepresentable` here, before any narrowing: $-1$ by default, which
+    every check of a token or length rejects as out of range (parents, for which
+    $-1$ means an unused slot, pass $-2$). JAX arrays pass through (see `as_index`
+    for their narrowing). An empty nested list, which NumPy would call float, is an
+    empty integer array.
     """
     if isinstance(x, Array):
         return x
@@ -52,14 +54,16 @@ def index_array(x: ArrayLike | Sequence[Any]) -> Array:
         return jnp.asarray(array)
     limits = np.iinfo(np.int32)
     fits = (array >= limits.min) & (array <= limits.max)
-    return jnp.asarray(np.where(fits, array, -1).astype(np.int32))
+    return jnp.asarray(np.where(fits, array, unrepresentable).astype(np.int32))
 
 
-def as_index(x: Integer[Array, "*shape"]) -> Int[Array, "*shape"]:
+def as_index(
+    x: Integer[Array, "*shape"], unrepresentable: int = -1
+) -> Int[Array, "*shape"]:
     """Integers of any dtype as `int32`, exactly: values that `int32` cannot hold
-    (from `uint32`, or `int64` and `uint64` under x64) become $-1$, which every check
-    rejects as out of range. Narrower dtypes widen exactly, so that comparisons with
-    the vocabulary size never overflow the input's own dtype.
+    (from `uint32`, or `int64` and `uint64` under x64) become `unrepresentable`, as
+    in `index_array`. Narrower dtypes widen exactly, so that comparisons with the
+    vocabulary size never overflow the input's own dtype.
     """
     info = jnp.iinfo(x.dtype)
     limits = jnp.iinfo(jnp.int32)
@@ -68,7 +72,7 @@ def as_index(x: Integer[Array, "*shape"]) -> Int[Array, "*shape"]:
         fits &= x <= limits.max
     if info.min < limits.min:
         fits &= x >= limits.min
-    return jnp.where(fits, x.astype(jnp.int32), -1)
+    return jnp.where(fits, x.astype(jnp.int32), unrepresentable)
 
 
 # The number of vocabulary entries the sampler sums into one block: the only place

@@ -10,6 +10,7 @@ from ._checks import check_structure
 from ._draw import draw_token
 from ._failures import (
     RESULTS,
+    empty_failed_rows,
     first_failure,
     input_failures,
     raise_first_failure,
@@ -262,12 +263,7 @@ class SpeculativeStep(eqx.Module):
             return output
         if self.throw:
             return raise_first_failure(output, result)
-        failed = result != RESULTS.successful
-        return {
-            "num_accepted": jnp.where(failed, 0, output["num_accepted"]),
-            "tokens": jnp.where(failed[:, None], -1, output["tokens"]),
-            "result": result,
-        }
+        return empty_failed_rows(output, result)
 
 
 def resolve_uniforms(

@@ -2,7 +2,7 @@
 `docs/trees.md`."""
 
 import abc
-from typing import ClassVar, TypedDict, final
+from typing import TypedDict, final
 
 import equinox as eqx
 import jax
@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._failures import (
     RESULTS,
     Failure,
+    empty_failed_rows,
     first_failure,
     not_a_probability,
     outside_unit_interval,
@@ -115,6 +116,7 @@ class TreeOutput(TypedDict):
     result: RESULTS
 
 
+@final
 class _Walk(eqx.Module):
     """The state of one row's walk down its tree, node by node in index order."""
 
@@ -128,13 +130,25 @@ class _Walk(eqx.Module):
     draft: Float[Array, " vocab"]
     path_tokens: Int[Array, " path"]
     path_nodes: Int[Array, " path"]
+    # A bad value at a tested token, and in a whole row read at a failed test.
     bad_target: Bool[Array, ""]
     bad_draft: Bool[Array, ""]
+    bad_target_row: Bool[Array, ""]
+    bad_draft_row: Bool[Array, ""]
     # Whether what a rejected child left summed past the largest float.
     overflow: Bool[Array, ""]
 
 
-def _start(vocab: int, dtype, max_depth: int) -> _Walk:
+def _arithmetic_dtype(
+    draft_probs: Float[Array, "..."] | None, target_probs: Float[Array, "..."]
+) -> jnp.dtype:
+    """float32 for half and single precision inputs, float64 where either array is
+    float64."""
+    dtypes = [target_probs.dtype] + ([] if draft_probs is None else [draft_probs.dtype])
+    return jnp.result_type(jnp.float32, *dtypes)
+
+
+def _start(vocab: int, dtype: jnp.dtype, max_depth: int) -> _Walk:
     """A walk at the root, before any node is visited."""
     return _Walk(
         current=jnp.zeros((), jnp.int32),
@@ -147,6 +161,8 @@ def _start(vocab: int, dtype, max_depth: int) -> _Walk:
         path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
         bad_target=jnp.array(False),
         bad_draft=jnp.array(False),
+        bad_target_row=jnp.array(False),
+        bad_draft_row=jnp.array(False),
         overflow=jnp.array(False),
     )
 
@@ -181,8 +197,6 @@ class TreeStep(eqx.Module):
     max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
-
-    reads_uniforms: ClassVar[bool] = True
 
     def __check_init__(self):
         if self.max_depth is not None and self.max_depth < 1:
@@ -225,7 +239,8 @@ class TreeStep(eqx.Module):
 
         A [`speculax.TreeOutput`][] dict.
         """
-        parents = index_array(parents)
+        # An unrepresentable parent becomes -2, out of range, not -1 (unused).
+        parents = index_array(parents, unrepresentable=-2)
         tree_tokens = index_array(tree_tokens)
         target_probs = jnp.asarray(target_probs)
         draft_probs = optional_array(draft_probs)
@@ -246,12 +261,20 @@ class TreeStep(eqx.Module):
                     "pass either key or accept_uniforms and sample_uniforms, not both"
                 )
             accept_uniforms, sample_uniforms = uniforms(key, batch, num_nodes)
-        if accept_uniforms is None or sample_uniforms is None:
+        if accept_uniforms is None:
             raise ValueError(
-                "accept_uniforms and sample_uniforms are required; pass them, or key= "
+                "accept_uniforms is required: the tree step reads it; pass it, or key= "
                 "to draw"
             )
-        parents, tree_tokens = as_index(parents), as_index(tree_tokens)
+        if sample_uniforms is None:
+            if self.sampler.reads_uniforms:
+                reader = type(self.sampler).__name__
+                raise ValueError(
+                    f"sample_uniforms is required: {reader} reads it; pass it, or "
+                    "key= to draw"
+                )
+            sample_uniforms = jnp.zeros((batch,), jnp.float32)
+        parents, tree_tokens = as_index(parents, -2), as_index(tree_tokens)
         max_depth = num_nodes if self.max_depth is None else self.max_depth
         vocab = target_probs.shape[-1]
 
@@ -268,7 +291,7 @@ class TreeStep(eqx.Module):
 
         if batch == 0:
             # The loop's body, traced even for no rows, would index empty arrays.
-            dtype = upcast(target_probs[:, :0, :0]).dtype
+            dtype = _arithmetic_dtype(draft_probs, target_probs)
             walks = jax.tree.map(
                 lambda x: jnp.zeros((0, *x.shape), x.dtype),
                 _start(vocab, dtype, max_depth),
@@ -309,13 +332,7 @@ class TreeStep(eqx.Module):
         output["result"] = result
         if self.throw:
             return raise_first_failure(output, result)
-        failed = result != RESULTS.successful
-        return {
-            "num_accepted": jnp.where(failed, 0, output["num_accepted"]),
-            "tokens": jnp.where(failed[:, None], -1, output["tokens"]),
-            "accepted_nodes": jnp.where(failed[:, None], -1, output["accepted_nodes"]),
-            "result": result,
-        }
+        return empty_failed_rows(output, result)
 
     def _walk(
         self,
@@ -331,7 +348,7 @@ class TreeStep(eqx.Module):
         tested when its parent is the current node (parents come first, so the
         children of a node all follow it). Only a failed test reads whole rows."""
         vocab = target_probs.shape[-1]
-        dtype = upcast(target_probs[0, 0, :1]).dtype
+        dtype = _arithmetic_dtype(draft_probs, target_probs)
 
         def row(probs, node):
             zero = jnp.zeros((), jnp.int32)
@@ -380,48 +397,51 @@ class TreeStep(eqx.Module):
             return jax.lax.cond(passed, accept, reject, j, token, walk)
 
         def accept(j, token, walk: _Walk) -> _Walk:
+            # int32 whatever the loop's index type (int64 under x64).
+            node = (j + 1).astype(jnp.int32)
             return eqx.tree_at(
                 lambda w: (w.current, w.depth, w.updated, w.path_tokens, w.path_nodes),
                 walk,
                 (
-                    j + 1,
+                    node,
                     walk.depth + 1,
                     jnp.array(False),
                     walk.path_tokens.at[walk.depth].set(token),
-                    walk.path_nodes.at[walk.depth].set(j + 1),
+                    walk.path_nodes.at[walk.depth].set(node),
                 ),
             )
 
         def reject(j, token, walk: _Walk) -> _Walk:
             del j
+            own_target = target_row(walk.current)
+            own_draft = draft_row(walk.current, token)
             # Both rows here are normalised: the node's own rows as given, or what
             # the children before left, divided by its mass.
-            target = jnp.where(
-                walk.updated,
-                walk.target / walk.target_mass,
-                target_row(walk.current),
-            )
+            target = jnp.where(walk.updated, walk.target / walk.target_mass, own_target)
             if draft_probs is None:
-                draft = draft_row(walk.current, token)
+                draft = own_draft
             else:
-                draft = jnp.where(walk.updated, walk.draft, draft_row(walk.current, 0))
+                draft = jnp.where(walk.updated, walk.draft, own_draft)
             left, draft = self.siblings(target, draft, token)
             # A difference of two normal numbers can be subnormal: it counts as zero.
             left = flush_subnormal(left)
             mass = ordered_row_sums(left, None)
             fallback = mass == 0
-            left = jnp.where(fallback, target_row(walk.current), left)
+            left = jnp.where(fallback, own_target, left)
             mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
             draft_mass = ordered_row_sums(draft, None)
             draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+            # The node's rows as given are checked whole at its first failed test:
+            # a bad value anywhere in them would reach the draw.
+            first = ~walk.updated
             return eqx.tree_at(
                 lambda w: (
                     w.updated,
                     w.target,
                     w.target_mass,
                     w.draft,
-                    w.bad_target,
-                    w.bad_draft,
+                    w.bad_target_row,
+                    w.bad_draft_row,
                     w.overflow,
                 ),
                 walk,
@@ -430,8 +450,10 @@ class TreeStep(eqx.Module):
                     left,
                     mass,
                     draft,
-                    walk.bad_target | jnp.any(not_a_probability(target)),
-                    walk.bad_draft | jnp.any(not_a_probability(draft)),
+                    walk.bad_target_row
+                    | (first & jnp.any(not_a_probability(own_target))),
+                    walk.bad_draft_row
+                    | (first & jnp.any(not_a_probability(own_draft))),
                     walk.overflow | jnp.isinf(mass),
                 ),
             )
@@ -464,7 +486,8 @@ class TreeStep(eqx.Module):
         bad_row = jnp.any(not_a_probability(weights), axis=-1)
         overflows = walks.overflow | jnp.isinf(ordered_row_sums(weights, None))
         failures = [
-            (bad_row, RESULTS.bad_target_row),
+            (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
+            (walks.bad_draft_row, RESULTS.bad_draft_row),
             (overflows, RESULTS.target_row_overflows),
         ]
         if type(self.sampler) is InverseCDF:

@@ -78,8 +78,10 @@ def tree_from_linked_lists(
     children and siblings in index order, so the nodes are renumbered depth first:
     step node $k$ of row $b$ is engine position `order[b, k]`. Gather the step's
     inputs with it: `tree_tokens = candidates[b, order[b, 1:]]`, and rows
-    `order[b]` of the draft and target probabilities. Positions no list reaches are
-    left out; their slots come last, with parent `-1` and order `0`.
+    `order[b]` of the draft and target probabilities; the step's `accepted_nodes`
+    map back to engine positions (KV-cache entries) as `order[b, accepted_nodes]`.
+    Positions no list reaches are left out; their slots come last, with parent `-1`
+    and order `0`.
 
     **Arguments:**
 
@@ -91,8 +93,9 @@ def tree_from_linked_lists(
 
     **Raises:**
 
-    `ValueError` for shapes that disagree, an index outside `[-1, M)`, a position
-    reached twice (a cycle or a shared child), or the root as a child.
+    `ValueError` for shapes that disagree, no positions at all, an index outside
+    `[-1, M)`, a position reached twice (a cycle or a shared child), the root as a
+    child, or a sibling of the root.
 
     **Example:**
 
@@ -116,9 +119,19 @@ def tree_from_linked_lists(
             f"{next_token.shape} and {next_sibling.shape}"
         )
     batch, positions = next_token.shape
+    if positions == 0:
+        raise ValueError(
+            "next_token must hold the root at position 0; got no positions"
+        )
     for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
-        if np.any((links < -1) | (links >= positions)):
-            raise ValueError(f"{name} must lie in [-1, {positions}); got {links}")
+        outside = (links < -1) | (links >= positions)
+        if np.any(outside):
+            b, i = np.argwhere(outside)[0]
+            raise ValueError(
+                f"{name} must lie in [-1, {positions}); got {links[b, i]} at [{b}, {i}]"
+            )
+    if np.any(next_sibling[:, 0] != -1):
+        raise ValueError("next_sibling must be -1 at position 0: the root has none")
     parents = np.full((batch, positions - 1), -1, np.int32)
     order = np.zeros((batch, positions), np.int32)
     for b in range(batch):
@@ -143,7 +156,13 @@ def tree_from_linked_lists(
     return parents, order
 
 
-def _children(position, next_token, next_sibling, positions):
+def _children(
+    position: int,
+    next_token: Int[np.ndarray, " positions"],
+    next_sibling: Int[np.ndarray, " positions"],
+    positions: int,
+) -> list[int]:
+    """The children of `position`, first child first, by the linked lists."""
     children = []
     child = int(next_token[position])
     while child != -1:

@@ -1,7 +1,7 @@
 """Exact output distributions of the tree step, by enumeration of every draft tree."""
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, TypeAlias
 
 import equinox as eqx
@@ -50,8 +50,9 @@ def tree_output_distribution(
     - `step`: the [`speculax.TreeStep`][] whose sibling rule and `max_depth` to use.
     - `parents`: the parent of each draft node $1, \\dots, N$, as for the step
         (`-1` for an unused slot).
-    - `target`, `draft`: functions from a tuple of tokens to a float64 distribution
-        of shape `(vocab,)`.
+    - `target`, `draft`: functions from a tuple of tokens to a normalised float64
+        distribution of shape `(vocab,)`. `draft` is not read for
+        `"deterministic"`, whose $q$ is each child's one-hot.
     - `vocab`: $V$.
     - `drafting`: keyword only, how the children were drawn: `"independent"`,
         `"without replacement"` or `"deterministic"`.
@@ -74,8 +75,11 @@ def tree_output_distribution(
     num_nodes = len(parents)
     used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
     for j in used:
-        if not 0 <= parents[j - 1] < j:
-            raise ValueError(f"node {j} has parent {parents[j - 1]}, not in [0, {j})")
+        parent = parents[j - 1]
+        if not 0 <= parent < j or (parent > 0 and parents[parent - 1] < 0):
+            raise ValueError(
+                f"node {j} has parent {parent}: not in [0, {j}), or not in use"
+            )
     if (drafting == "deterministic") != (tree_tokens is not None):
         raise ValueError('tree_tokens is needed exactly for drafting="deterministic"')
     if drafting != "deterministic" and vocab ** len(used) > _MAX_TREES:
@@ -171,12 +175,19 @@ def tree_lossless_error(
 
 
 def _pass_probability(target_at: float, draft_at: float) -> float:
+    """The probability that $u \\, q(c) < p(c)$ for a uniform $u$."""
     if draft_at > 0:
         return min(1.0, target_at / draft_at)
     return 1.0 if target_at > 0 else 0.0
 
 
-def _draft_trees(used, parents, draft, vocab, drafting):
+def _draft_trees(
+    used: list[int],
+    parents: list[int],
+    draft: Model,
+    vocab: int,
+    drafting: Drafting,
+) -> Iterator[tuple[dict[int, int], float]]:
     """Every assignment of tokens to the used nodes, with its probability under the
     drafter; assignments of probability 0 are left out."""
     for values in itertools.product(range(vocab), repeat=len(used)):
@@ -202,7 +213,7 @@ def _draft_trees(used, parents, draft, vocab, drafting):
             yield tokens, weight
 
 
-def _path(node, parents, tokens):
+def _path(node: int, parents: list[int], tokens: dict[int, int]) -> tuple[int, ...]:
     """The tokens on the path from the root to `node`, the node's own last."""
     path = []
     while node > 0:
@@ -211,7 +222,9 @@ def _path(node, parents, tokens):
     return tuple(reversed(path))
 
 
-def _compiled_rule(step: TreeStep):
+def _compiled_rule(
+    step: TreeStep,
+) -> Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
     """The step's sibling rule on float64 NumPy rows, compiled once."""
     rule = eqx.filter_jit(step.siblings)
 
