@@ -115,21 +115,29 @@ def inverse_cdf(
     `ordered_block_sums`): the lanes fix the last bit of the block sums, and so the
     token drawn for a uniform on a block's edge."""
     weights = upcast(weights)
+    block_size = min(block_size, weights.shape[-1])
+    return draw_from_blocks(
+        ordered_block_sums(weights, block_size, lanes=lanes),
+        block_reader(weights, block_size),
+        block_size,
+        weights.shape[-1],
+        sample_uniforms,
+        axis_name,
+    )
+
+
+def block_reader(
+    weights: Float[Array, "batch vocab"], block_size: int
+) -> Callable[[Int[Array, " batch"]], Float[Array, "batch block"]]:
+    """A function from one block index per row to the weights of that block, zero
+    past the vocabulary."""
     batch, vocab = weights.shape
-    block_size = min(block_size, vocab)
     num_blocks = -(-vocab // block_size)
     padding = num_blocks * block_size - vocab
     blocks = jnp.pad(weights, ((0, 0), (0, padding))).reshape(
         batch, num_blocks, block_size
     )
-    return draw_from_blocks(
-        ordered_block_sums(weights, block_size, lanes=lanes),
-        lambda block: jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0],
-        block_size,
-        vocab,
-        sample_uniforms,
-        axis_name,
-    )
+    return lambda block: jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
 
 
 @final

@@ -18,9 +18,15 @@ from ._failures import (
     outside_unit_interval,
     raise_first_failure,
 )
-from ._numerics import as_index, flush_subnormal, index_array, upcast
+from ._numerics import (
+    as_index,
+    flush_subnormal,
+    index_array,
+    ordered_block_sums,
+    upcast,
+)
 from ._random import KeyArray, uniforms
-from ._sampling import AbstractSampler, InverseCDF, inverse_cdf
+from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
 from ._step import InputArray, optional_array
 from ._stopping_rows import summary_loops_over_rows, summation_lanes
 from ._vocab_axis import ordered_row_sums
@@ -480,27 +486,36 @@ class TreeStep(eqx.Module):
         row summary uses for the same inputs, so that a chain drawn as a tree gets
         the chain step's token even for a uniform on a block's edge.
         """
-        batch = target_probs.shape[0]
+        batch, _, vocab = target_probs.shape
         own_row = upcast(target_probs[jnp.arange(batch), walks.current])
         weights = jnp.where(walks.updated[:, None], walks.target, own_row)
         bad_row = jnp.any(not_a_probability(weights), axis=-1)
-        overflows = walks.overflow | jnp.isinf(ordered_row_sums(weights, None))
+        if type(self.sampler) is InverseCDF:
+            # The draw's block sums serve the overflow check too: summing the rows
+            # apart would cost two (B, V) temporaries.
+            block_size = min(self.sampler.block_size, vocab)
+            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
+            block_mass = ordered_block_sums(weights, block_size, lanes)
+            total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
+            drawn = draw_from_blocks(
+                block_mass,
+                block_reader(weights, block_size),
+                block_size,
+                vocab,
+                sample_uniforms,
+                None,
+            )
+        else:
+            total = ordered_row_sums(weights, None)
+            drawn = self.sampler(weights, sample_uniforms)
+        overflows = walks.overflow | jnp.isinf(
+            total[..., 0] if total.ndim > 1 else total
+        )
         failures = [
             (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
             (walks.bad_draft_row, RESULTS.bad_draft_row),
             (overflows, RESULTS.target_row_overflows),
         ]
-        if type(self.sampler) is InverseCDF:
-            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
-            drawn = inverse_cdf(
-                weights,
-                sample_uniforms,
-                self.sampler.block_size,
-                lanes=lanes,
-                axis_name=None,
-            )
-        else:
-            drawn = self.sampler(weights, sample_uniforms)
         return drawn, failures
 
 
