@@ -412,10 +412,12 @@ def _inputs(case: Case) -> Inputs:
 
 
 @functools.cache
-def _runner(mode: str):
+def _runner(mode: str, throw: bool = True):
+    """The step eagerly, jitted, or vmapped over two copies of the inputs (which
+    must give the same tokens); with `throw=False`, returning per-row codes."""
     import speculax
 
-    step = speculax.SpeculativeStep()
+    step = speculax.SpeculativeStep(throw=throw)
     if mode == "eager":
         return step
     if mode == "jit":
@@ -457,25 +459,6 @@ def test_bad_input(case, mode):
 RUNTIME_CASES = [case for case in CASES if case.error is RuntimeError]
 
 
-@functools.cache
-def _reporting_runner(mode: str):
-    """As `_runner`, for a step that returns per-row codes (`throw=False`)."""
-    import speculax
-
-    step = speculax.SpeculativeStep(throw=False)
-    if mode == "eager":
-        return step
-    if mode == "jit":
-        return eqx.filter_jit(step)
-
-    def vmapped(**inputs):
-        stacked = {name: jnp.stack([value, value]) for name, value in inputs.items()}
-        out = jax.vmap(step)(**stacked)
-        return jax.tree.map(lambda x: x[0], out)
-
-    return vmapped
-
-
 @pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
 @pytest.mark.parametrize("case", RUNTIME_CASES, ids=lambda case: case.name)
 def test_throw_false_reports_each_row(case, mode):
@@ -484,7 +467,7 @@ def test_throw_false_reports_each_row(case, mode):
     import speculax
 
     inputs = _inputs(case)
-    out = _reporting_runner(mode)(**inputs)
+    out = _runner(mode, throw=False)(**inputs)
     messages = speculax.failure_messages(out["result"])
     assert any(re.search(case.match, message) for message in messages), messages
     for b, message in enumerate(messages):
@@ -508,7 +491,7 @@ def test_runtime_cases_cover_every_failure():
         message
         for case in RUNTIME_CASES
         for message in speculax.failure_messages(
-            _reporting_runner("jit")(**_inputs(case))["result"]
+            _runner("jit", throw=False)(**_inputs(case))["result"]
         )
     }
     # The full scan's failures, from values no other check reads.

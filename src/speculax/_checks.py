@@ -1,7 +1,11 @@
 """The check of the inputs' structure (`docs/specification.md`, "Bad input"), at
 trace time; the values are checked at run time (`_failures.py`)."""
 
+from collections.abc import Mapping
+from typing import TypeAlias
+
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 
@@ -20,7 +24,7 @@ def check_structure(
 
     Works on shapes and dtypes only, so it runs at trace time under `jit` and `vmap`.
     """
-    arguments = {
+    patterns = {
         "draft_tokens": (draft_tokens, "(B, G)", jnp.integer),
         "draft_probs": (draft_probs, "(B, G, V)", jnp.floating),
         "target_probs": (target_probs, "(B, G + 1, V)", jnp.floating),
@@ -28,7 +32,32 @@ def check_structure(
         "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
         "num_draft_tokens": (num_draft_tokens, "(B,)", jnp.integer),
     }
-    for name, (x, pattern, kind) in arguments.items():
+    check_ranks_and_dtypes(patterns)
+    batch, num_draft = draft_tokens.shape
+    vocab = checked_vocab(target_probs)
+    check_sizes(
+        patterns,
+        {
+            "draft_probs": (batch, num_draft, vocab),
+            "target_probs": (batch, num_draft + 1, vocab),
+            "accept_uniforms": (batch, num_draft),
+            "sample_uniforms": (batch,),
+            "num_draft_tokens": (batch,),
+        },
+        f"with B and G from draft_tokens {tuple(draft_tokens.shape)} and V from "
+        "target_probs",
+    )
+
+
+# Each argument's array (None when not given), its shape as a pattern such as
+# "(B, G + 1, V)", and the kind of dtype it must have.
+Patterns: TypeAlias = Mapping[str, tuple[Array | None, str, type[np.generic]]]
+
+
+def check_ranks_and_dtypes(patterns: Patterns) -> None:
+    """Raises `ValueError` for an argument whose rank is not its pattern's and
+    `TypeError` for one of the wrong kind of dtype, naming it; `None` is skipped."""
+    for name, (x, pattern, kind) in patterns.items():
         if x is None:
             continue
         rank = len(pattern.strip("(,)").split(","))
@@ -41,32 +70,28 @@ def check_structure(
             kind_name = "an integer" if kind is jnp.integer else "a floating-point"
             raise TypeError(f"{name} must have {kind_name} dtype; got {x.dtype}")
 
-    batch, num_draft = draft_tokens.shape
+
+def checked_vocab(target_probs: Array) -> int:
+    """The vocabulary size $V$, the last axis of `target_probs`; a `ValueError` if it
+    is empty."""
     vocab = target_probs.shape[-1]
     if vocab < 1:
         raise ValueError(
             f"target_probs must have a vocabulary axis of size at least 1; got shape "
             f"{target_probs.shape}"
         )
-    expected = {
-        "draft_probs": ("(B, G, V)", (batch, num_draft, vocab), _shape(draft_probs)),
-        "target_probs": (
-            "(B, G + 1, V)",
-            (batch, num_draft + 1, vocab),
-            target_probs.shape,
-        ),
-        "accept_uniforms": ("(B, G)", (batch, num_draft), _shape(accept_uniforms)),
-        "sample_uniforms": ("(B,)", (batch,), _shape(sample_uniforms)),
-        "num_draft_tokens": ("(B,)", (batch,), _shape(num_draft_tokens)),
-    }
-    for name, (pattern, want, got) in expected.items():
-        if got is not None and tuple(got) != want:
+    return vocab
+
+
+def check_sizes(
+    patterns: Patterns, expected: Mapping[str, tuple[int, ...]], origin: str
+) -> None:
+    """Raises `ValueError` for a given argument whose shape is not `expected`, with
+    its pattern and where the sizes come from (`origin`)."""
+    for name, want in expected.items():
+        x, pattern, _ = patterns[name]
+        if x is not None and tuple(x.shape) != want:
             raise ValueError(
-                f"{name} must have shape {pattern} = {want}, with B and G from "
-                f"draft_tokens {tuple(draft_tokens.shape)} and V from target_probs; "
-                f"got {tuple(got)}"
+                f"{name} must have shape {pattern} = {want}, {origin}; got "
+                f"{tuple(x.shape)}"
             )
-
-
-def _shape(x: Array | None) -> tuple[int, ...] | None:
-    return None if x is None else tuple(x.shape)

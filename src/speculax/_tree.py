@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._checks import check_ranks_and_dtypes, check_sizes, checked_vocab
 from ._failures import (
     RESULTS,
     Failure,
@@ -309,33 +310,30 @@ class TreeStep(eqx.Module):
         drawn, row_failures = self._draw(
             walks, draft_probs, target_probs, sample_uniforms
         )
-        depth = walks.depth
-        position = jnp.arange(max_depth + 1)[None, :]
-        tokens = jnp.where(
-            position < depth[:, None],
-            walks.path_tokens,
-            jnp.where(position == depth[:, None], drawn[:, None], -1),
-        )
+        # The path's tokens are -1 past its depth: the drawn token goes at the depth.
+        at_depth = jnp.arange(max_depth + 1)[None, :] == walks.depth[:, None]
+        failures = []
+        if self.check_values:
+            failures = _tree_failures(
+                parents,
+                tree_tokens,
+                accept_uniforms,
+                sample_uniforms,
+                vocab,
+                walks,
+                row_failures,
+                drawn,
+            )
+        result = first_failure(failures, batch)
         output: TreeOutput = {
-            "num_accepted": depth,
-            "tokens": tokens.astype(jnp.int32),
+            "num_accepted": walks.depth,
+            "tokens": jnp.where(at_depth, drawn[:, None], walks.path_tokens),
             "accepted_nodes": walks.path_nodes,
-            "result": first_failure([], batch),
+            "result": result,
         }
+        # An empty batch has nothing to report, and Equinox's error needs an element.
         if not self.check_values or batch == 0:
             return output
-        failures = _tree_failures(
-            parents,
-            tree_tokens,
-            accept_uniforms,
-            sample_uniforms,
-            vocab,
-            walks,
-            row_failures,
-            drawn,
-        )
-        result = first_failure(failures, batch)
-        output["result"] = result
         if self.throw:
             return raise_first_failure(output, result)
         return empty_failed_rows(output, result)
@@ -527,43 +525,30 @@ def _check_tree_structure(
     accept_uniforms: Array | None,
     sample_uniforms: Array | None,
 ) -> None:
-    """Trace-time checks of ranks, sizes and dtypes, naming the argument."""
-    arguments = {
-        "parents": (parents, 2, jnp.integer),
-        "tree_tokens": (tree_tokens, 2, jnp.integer),
-        "draft_probs": (draft_probs, 3, jnp.floating),
-        "target_probs": (target_probs, 3, jnp.floating),
-        "accept_uniforms": (accept_uniforms, 2, jnp.floating),
-        "sample_uniforms": (sample_uniforms, 1, jnp.floating),
+    """Trace-time checks of ranks, sizes and dtypes, naming the argument, as for the
+    chain step."""
+    patterns = {
+        "parents": (parents, "(B, N)", jnp.integer),
+        "tree_tokens": (tree_tokens, "(B, N)", jnp.integer),
+        "draft_probs": (draft_probs, "(B, N + 1, V)", jnp.floating),
+        "target_probs": (target_probs, "(B, N + 1, V)", jnp.floating),
+        "accept_uniforms": (accept_uniforms, "(B, N)", jnp.floating),
+        "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
     }
-    for name, (x, rank, kind) in arguments.items():
-        if x is None:
-            continue
-        if x.ndim != rank:
-            raise ValueError(f"{name} must have rank {rank}; got shape {x.shape}")
-        if not jnp.issubdtype(x.dtype, kind):
-            kind_name = "an integer" if kind is jnp.integer else "a floating-point"
-            raise TypeError(f"{name} must have {kind_name} dtype; got {x.dtype}")
+    check_ranks_and_dtypes(patterns)
     batch, num_nodes = parents.shape
-    vocab = target_probs.shape[-1]
-    if vocab < 1:
-        raise ValueError(
-            f"target_probs must have a vocabulary of at least 1; got {vocab}"
-        )
-    expected = {
-        "tree_tokens": ("(B, N)", (batch, num_nodes), tree_tokens),
-        "target_probs": ("(B, N + 1, V)", (batch, num_nodes + 1, vocab), target_probs),
-        "draft_probs": ("(B, N + 1, V)", (batch, num_nodes + 1, vocab), draft_probs),
-        "accept_uniforms": ("(B, N)", (batch, num_nodes), accept_uniforms),
-        "sample_uniforms": ("(B,)", (batch,), sample_uniforms),
-    }
-    for name, (pattern, want, x) in expected.items():
-        if x is not None and tuple(x.shape) != want:
-            raise ValueError(
-                f"{name} must have shape {pattern} = {want}, with B and N from "
-                f"parents {tuple(parents.shape)} and V from target_probs; got "
-                f"{tuple(x.shape)}"
-            )
+    vocab = checked_vocab(target_probs)
+    check_sizes(
+        patterns,
+        {
+            "tree_tokens": (batch, num_nodes),
+            "target_probs": (batch, num_nodes + 1, vocab),
+            "draft_probs": (batch, num_nodes + 1, vocab),
+            "accept_uniforms": (batch, num_nodes),
+            "sample_uniforms": (batch,),
+        },
+        f"with B and N from parents {tuple(parents.shape)} and V from target_probs",
+    )
 
 
 def _tree_failures(
