@@ -76,3 +76,22 @@ def random_inputs(
         "accept_uniforms": accept_uniforms,
         "sample_uniforms": sample_uniforms,
     }
+
+
+def random_row(
+    seed: int, vocab: int, num_draft: int, zeros: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random normalised q (G, V) and p (G + 1, V); `zeros` names which of them get
+    exact zeros, so that both corners of the acceptance test (q_i(x) = 0 and
+    p_i(x) = 0) are reached.
+    """
+    rng = np.random.default_rng([seed, vocab, num_draft])
+    q = rng.dirichlet(np.ones(vocab), size=num_draft)
+    p = rng.dirichlet(np.ones(vocab), size=num_draft + 1)
+    for name, x in (("draft", q), ("target", p)):
+        if zeros in (name, "both") and vocab > 1:
+            x *= rng.random(x.shape) < 0.5
+            # Keep one positive entry per row, so that the row is a distribution.
+            x[np.arange(len(x)), rng.integers(vocab, size=len(x))] += rng.random(len(x))
+            x /= x.sum(axis=-1, keepdims=True)
+    return q, p

@@ -18,25 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 import speculax
 import speculax.testing
-
-
-def random_row(
-    seed: int, vocab: int, num_draft: int, zeros: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Random normalised q (G, V) and p (G + 1, V); `zeros` names which of them get
-    exact zeros, so that both corners of the acceptance test (q_i(x) = 0 and
-    p_i(x) = 0) are reached.
-    """
-    rng = np.random.default_rng([seed, vocab, num_draft])
-    q = rng.dirichlet(np.ones(vocab), size=num_draft)
-    p = rng.dirichlet(np.ones(vocab), size=num_draft + 1)
-    for name, x in (("draft", q), ("target", p)):
-        if zeros in (name, "both") and vocab > 1:
-            x *= rng.random(x.shape) < 0.5
-            # Keep one positive entry per row, so that the row is a distribution.
-            x[np.arange(len(x)), rng.integers(vocab, size=len(x))] += rng.random(len(x))
-            x /= x.sum(axis=-1, keepdims=True)
-    return q, p
+from inputs import random_row
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -301,17 +283,20 @@ def chi_square_per_position(
         expected = len(at_k) * p[k].astype(np.float64)
         statistics.append(float(np.sum((observed - expected) ** 2 / expected)))
         reached.append(len(at_k))
-    exact = speculax.testing.output_distribution(speculax.SpeculativeStep(), q, p)
+    exact = speculax.testing.output_distribution(step, q, p)
     observed = np.bincount(num_accepted, minlength=STAT_DRAFT + 1)
     expected = NUM_SAMPLES * exact.num_accepted_probs
     count_statistic = float(np.sum((observed - expected) ** 2 / expected))
     return statistics, count_statistic, reached
 
 
-def test_statistical_output_distribution_is_target():
-    statistics, count_statistic, reached = chi_square_per_position(
-        speculax.SpeculativeStep()
-    )
+@pytest.mark.parametrize(
+    "step",
+    [speculax.SpeculativeStep(), speculax.block_step()],
+    ids=["token by token", "block"],
+)
+def test_statistical_output_distribution_is_target(step):
+    statistics, count_statistic, reached = chi_square_per_position(step)
     # Every cell must expect plenty of samples for the chi-square approximation.
     _, p = stat_row()
     assert min(reached[k] * p[k].min() for k in range(STAT_DRAFT + 1)) > 50

@@ -4,6 +4,7 @@ import importlib.metadata
 
 from ._acceptance import (
     AbstractAcceptance as AbstractAcceptance,
+    BlockAcceptance as BlockAcceptance,
     GreedyAcceptance as GreedyAcceptance,
     RatioAcceptance as RatioAcceptance,
     TypicalAcceptance as TypicalAcceptance,
@@ -19,11 +20,13 @@ from ._failures import (
 from ._logits import probs_from_logits as probs_from_logits
 from ._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,
+    LastPassCount as LastPassCount,
     PrefixCount as PrefixCount,
 )
 from ._random import uniforms as uniforms
 from ._residual import (
     AbstractResidual as AbstractResidual,
+    BlockResidual as BlockResidual,
     Residual as Residual,
     TargetRow as TargetRow,
 )
@@ -36,6 +39,7 @@ from ._sharded import sharded_step as sharded_step
 from ._step import (
     SpeculativeStep as SpeculativeStep,
     StepOutput as StepOutput,
+    block_step as block_step,
     greedy_step as greedy_step,
     speculative_step as speculative_step,
 )

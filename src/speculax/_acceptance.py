@@ -6,13 +6,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._block import block_continuation, path_acceptance, scaled_excess
 from ._numerics import upcast
-from ._vocab_axis import first_argmax_over_vocab, ordered_row_sums, probs_at_tokens
+from ._vocab_axis import (
+    first_argmax_over_vocab,
+    ordered_row_sums,
+    probs_at_tokens,
+    vocab_offset,
+)
 
 
 class AbstractAcceptance(eqx.Module):
-    """The acceptance test: decides, independently at each draft position, whether
-    the draft token passes.
+    """The acceptance test: decides at each draft position whether the test there
+    passes, position $i$ reading its own uniform $u_i$ alone.
 
     Subclass it and implement `__call__` to write your own test; plug it into
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(acceptance=...)`. Only the
@@ -45,6 +51,8 @@ class AbstractAcceptance(eqx.Module):
         draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
         """**Arguments:**
 
@@ -54,11 +62,16 @@ class AbstractAcceptance(eqx.Module):
         - `target_probs`: $p_i$, the target distribution at each position, with one
             extra position $p_G$ after the last draft token.
         - `accept_uniforms`: $u_i$, uniform noise in `[0, 1)`.
+        - `num_draft_tokens`: keyword only, $g_b \\le G$, the number of draft
+            positions in use in each row of a ragged batch; `None` means $G$ for
+            every row. The step always passes it, and ignores the verdicts at and
+            past $g_b$ whatever they are.
 
         **Returns:**
 
         A boolean array of shape `(batch, draft)`: whether each position's test passes,
-        regardless of the positions before it.
+        whatever the verdicts at other positions (turning them into a count is the
+        job of the prefix count).
         """
 
 
@@ -89,7 +102,10 @@ class RatioAcceptance(AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
+        del num_draft_tokens
         draft_target, draft_draft = probs_at_tokens(
             draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
         )
@@ -123,7 +139,10 @@ class GreedyAcceptance(AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
+        del num_draft_tokens
         num_draft = draft_tokens.shape[1]
         # The argmax of every row, p_G's included, then the first G: a slice of the
         # input read by two reductions would be copied whole by XLA CPU.
@@ -177,7 +196,10 @@ class TypicalAcceptance(AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
+        del num_draft_tokens
         num_draft = draft_tokens.shape[1]
         target = upcast(target_probs[:, :num_draft])
         entropy = ordered_row_sums(jax.scipy.special.entr(target), self.axis_name)
@@ -186,3 +208,70 @@ class TypicalAcceptance(AbstractAcceptance):
             draft_tokens, None, target_probs, axis_name=self.axis_name
         )
         return at_draft > threshold
+
+
+@final
+class BlockAcceptance(AbstractAcceptance):
+    """The test of block verification (Sun et al., 2025), which judges the drafts as
+    a block: with the ratios $P_i$ of [`speculax.BlockResidual`][] ($P_0 = 1$,
+    $P_{i+1} = \\min(1, P_i \\, p_i(x_i) / q_i(x_i))$), position $i$ passes when
+    $u_i < h_{i+1}$, where
+
+    $$h_k = \\frac{r_k}{r_k + (1 - P_k)}, \\qquad
+    r_k = \\sum_v \\max(P_k \\, p_k(v) - q_k(v), 0)$$
+
+    for $k < G$ ($h_k = 1$ when the denominator is 0), and $h_G = P_G$; in a ragged
+    batch $G$ is the row's own $g_b$. A pass at position $i$ keeps the first $i + 1$
+    drafts whatever happened before it: pair it with [`speculax.LastPassCount`][],
+    not the first-failure count, and with [`speculax.BlockResidual`][];
+    [`speculax.block_step`][] builds that step. Indices here count draft positions
+    from 0; see `docs/keeping_more.md` for the paper's, which count from 1.
+
+    Reads every row of $p_1, \\dots, p_{G-1}$ and $q_1, \\dots, q_{G-1}$ for the
+    masses $r_k$, summed in a fixed order, so that a row's verdicts are the same
+    alone and in any batch. For deterministic drafts ($q_k$ the one-hot of $x_k$)
+    only the target rows are read.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
+    """
+
+    reads_uniforms: ClassVar[bool] = True
+    reads_draft_probs: ClassVar[bool] = True
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
+
+    def __call__(
+        self,
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
+    ) -> Bool[Array, "batch draft"]:
+        batch, num_draft = draft_tokens.shape
+        ratios = path_acceptance(
+            draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
+        )
+        # h_k for k = 1, ..., G - 1, from the rows at those positions.
+        inner = ratios[:, 1:num_draft]
+        target = upcast(target_probs[:, 1:num_draft])
+        vocab = target.shape[-1]
+        if draft_probs is None:
+            token = jnp.arange(vocab) + vocab_offset(vocab, self.axis_name)
+            draft = (token == draft_tokens[:, 1:, None]).astype(target.dtype)
+        else:
+            draft = upcast(draft_probs[:, 1:])
+        mass = ordered_row_sums(scaled_excess(inner, target, draft), self.axis_name)
+        continuing = block_continuation(mass, inner)
+        # At a row's last draft position h is P_g itself.
+        position = jnp.arange(num_draft)[None, :]
+        last = num_draft if num_draft_tokens is None else num_draft_tokens
+        is_last = position + 1 == jnp.reshape(last, (-1, 1))
+        continuing = jnp.concatenate(
+            [continuing, jnp.ones((batch, min(num_draft, 1)), continuing.dtype)], axis=1
+        )
+        threshold = jnp.where(is_last, ratios[:, 1:], continuing)
+        return accept_uniforms < threshold

@@ -157,7 +157,7 @@ def input_failures(
 
 def _all_probs_failures(
     draft_probs: Float[Array, "batch draft vocab"] | None,
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    target_probs: Float[Array, "batch positions vocab"],
     in_use: Bool[Array, "batch draft"],
     axis_name: str | None,
 ) -> list[Failure]:

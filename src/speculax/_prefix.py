@@ -40,3 +40,18 @@ class PrefixCount(AbstractPrefixCount):
         return jnp.min(
             jnp.where(passed, num_draft, position), axis=-1, initial=num_draft
         )
+
+
+@final
+class LastPassCount(AbstractPrefixCount):
+    """Counts up to the last pass: $n$ is one more than the last position whose test
+    passed, or 0 when none did. The count of block verification (see
+    [`speculax.BlockAcceptance`][]), where a pass keeps the drafts before it whatever
+    their own verdicts; beside [`speculax.RatioAcceptance`][] it is **not
+    lossless**.
+    """
+
+    def __call__(self, passed: Bool[Array, "batch draft"]) -> Int[Array, " batch"]:
+        num_draft = passed.shape[-1]
+        position = jnp.arange(1, num_draft + 1, dtype=jnp.int32)
+        return jnp.max(jnp.where(passed, position, 0), axis=-1, initial=0)

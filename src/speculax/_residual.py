@@ -5,7 +5,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._numerics import flush_subnormal, upcast
+from ._block import path_acceptance, scaled_excess
+from ._numerics import upcast
 from ._stopping_rows import stopping_rows
 from ._vocab_axis import any_over_vocab, vocab_offset
 
@@ -101,29 +102,98 @@ class Residual(AbstractResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
-        target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
-        target_row = upcast(target_row)
-        num_draft = draft_tokens.shape[1]
-        if num_draft == 0:
-            return target_row
-        limit = num_draft if num_draft_tokens is None else num_draft_tokens
-        drafting = (num_accepted < limit)[:, None]
-        if draft_row is None:
-            # Deterministic drafts: q_n is the one-hot of x_n, so max(p_n - q_n, 0)
-            # is p_n with the rejected draft token taken out.
-            rejected = jnp.take_along_axis(
-                draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
-            )
-            vocab = target_row.shape[-1]
-            token = jnp.arange(vocab) + vocab_offset(vocab, self.axis_name)
-            is_rejected = token[None, :] == rejected
-            excess = jnp.where(is_rejected, jnp.maximum(target_row - 1, 0), target_row)
-        else:
-            # A difference of two normal numbers can be subnormal: it counts as zero.
-            excess = flush_subnormal(jnp.maximum(target_row - upcast(draft_row), 0))
-        weights = jnp.where(drafting, excess, target_row)
-        has_mass = any_over_vocab(jnp.any(weights > 0, axis=-1), self.axis_name)
-        return jnp.where(has_mass[:, None], weights, target_row)
+        return residual_weights(
+            None,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            num_draft_tokens=num_draft_tokens,
+            axis_name=self.axis_name,
+        )
+
+
+@final
+class BlockResidual(AbstractResidual):
+    """The residual of block verification (Sun et al., 2025; see
+    [`speculax.block_step`][]): for $n < G$ the weights are
+    $w(v) = \\max(P_n \\, p_n(v) - q_n(v), 0)$, where $P_n$ is the probability
+    left for the accepted path (`docs/keeping_more.md`); for $n = G$ the bonus
+    distribution $p_G$. With $P_n = 1$, which $n = 0$ always has, these are the
+    weights of [`speculax.Residual`][], to the last bit; the rules for deterministic
+    drafts, ragged batches and weights without mass are the same too.
+
+    Reads the rows $p_n$ and $q_n$, and $p_i(x_i)$ and $q_i(x_i)$ for $i < n$.
+
+    **Arguments:**
+
+    - `axis_name`: keyword only, the mesh axis the vocabulary is split over, or
+        `None` (the default).
+    """
+
+    reads_draft_probs: ClassVar[bool] = True
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
+
+    def __call__(
+        self,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
+    ) -> Float[Array, "batch vocab"]:
+        ratios = path_acceptance(
+            draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
+        )
+        scale = jnp.take_along_axis(ratios, num_accepted[:, None], axis=1)[:, 0]
+        return residual_weights(
+            scale,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            num_draft_tokens=num_draft_tokens,
+            axis_name=self.axis_name,
+        )
+
+
+def residual_weights(
+    scale: Float[Array, " batch"] | None,
+    num_accepted: Int[Array, " batch"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    *,
+    num_draft_tokens: Int[Array, " batch"] | None,
+    axis_name: str | None,
+) -> Float[Array, "batch vocab"]:
+    """$\\max(P_n \\, p_n - q_n, 0)$ where drafting stopped at a draft, $p_n$
+    where a bonus token is due or the weights have no mass; `scale` is $P_n$, or
+    `None` for 1."""
+    target_row, draft_row = stopping_rows(num_accepted, draft_probs, target_probs)
+    target_row = upcast(target_row)
+    num_draft = draft_tokens.shape[1]
+    if num_draft == 0:
+        return target_row
+    limit = num_draft if num_draft_tokens is None else num_draft_tokens
+    drafting = (num_accepted < limit)[:, None]
+    if scale is None:
+        scale = jnp.ones(num_accepted.shape, target_row.dtype)
+    if draft_row is None:
+        # Deterministic drafts: q_n is the one-hot of x_n, so max(P_n p_n - q_n, 0)
+        # is P_n p_n with the rejected draft token taken out.
+        rejected = jnp.take_along_axis(
+            draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
+        )
+        vocab = target_row.shape[-1]
+        token = jnp.arange(vocab) + vocab_offset(vocab, axis_name)
+        is_rejected = token[None, :] == rejected
+        draft_row = is_rejected.astype(target_row.dtype)
+    excess = scaled_excess(scale, target_row, upcast(draft_row))
+    weights = jnp.where(drafting, excess, target_row)
+    has_mass = any_over_vocab(jnp.any(weights > 0, axis=-1), axis_name)
+    return jnp.where(has_mass[:, None], weights, target_row)
 
 
 @final

@@ -5,7 +5,12 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int
 
-from ._acceptance import AbstractAcceptance, GreedyAcceptance, RatioAcceptance
+from ._acceptance import (
+    AbstractAcceptance,
+    BlockAcceptance,
+    GreedyAcceptance,
+    RatioAcceptance,
+)
 from ._checks import check_structure
 from ._draw import draw_token
 from ._failures import (
@@ -17,9 +22,9 @@ from ._failures import (
     sampled_failure,
 )
 from ._numerics import as_index, index_array
-from ._prefix import AbstractPrefixCount, PrefixCount
+from ._prefix import AbstractPrefixCount, LastPassCount, PrefixCount
 from ._random import KeyArray, uniforms
-from ._residual import AbstractResidual, Residual, TargetRow
+from ._residual import AbstractResidual, BlockResidual, Residual, TargetRow
 from ._sampling import AbstractSampler, Argmax, InverseCDF
 from ._vocab_axis import full_vocab
 
@@ -232,7 +237,11 @@ class SpeculativeStep(eqx.Module):
                 axis_name=self.axis_name,
             )
         passed = self.acceptance(
-            draft_tokens, draft_probs, target_probs, accept_uniforms
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            num_draft_tokens=num_draft_tokens,
         )
         if num_draft_tokens is not None:
             in_use = jnp.arange(passed.shape[1])[None, :] < num_draft_tokens[:, None]
@@ -435,5 +444,60 @@ def greedy_step(
         Argmax(),
         check_values=check_values,
         check_all_probs=check_all_probs,
+        throw=throw,
+    )
+
+
+def block_step(
+    *,
+    check_values: bool = True,
+    check_all_probs: bool | None = None,
+    throw: bool = True,
+) -> SpeculativeStep:
+    """The step of block verification (Sun et al., 2025): the drafts are judged as a
+    block, a pass at a later position keeping the drafts before it even where their
+    own tests failed. Lossless like the token-by-token step, and never keeps fewer
+    tokens in expectation: more when the drafts are sampled, exactly as many when
+    they are deterministic (`draft_probs=None`), where it only costs more. See
+    `docs/keeping_more.md` for the statement, the gain and the cost.
+
+    **Arguments:**
+
+    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    - `check_all_probs`: keyword only, as for [`speculax.SpeculativeStep`][]; the
+        default `None` means `check_values`, since the test reads every row and a
+        bad value anywhere in them would otherwise change the verdicts unseen.
+
+    **Returns:**
+
+    `SpeculativeStep(BlockAcceptance(), LastPassCount(), BlockResidual(),
+    InverseCDF())`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    step = speculax.block_step()
+    out = step(
+        draft_tokens=jnp.array([[0, 1]]),
+        draft_probs=jnp.array([[[0.8, 0.2], [0.5, 0.5]]]),
+        target_probs=jnp.array([[[0.4, 0.6], [0.1, 0.9], [0.5, 0.5]]]),
+        accept_uniforms=jnp.array([[0.9, 0.7]]),
+        sample_uniforms=jnp.array([0.3]),
+    )
+    # Token 0 fails its own test (0.9 >= 0.4 / 0.8), but the block passes at
+    # position 1 (0.7 < P_2 = min(1, 0.5 * 0.9 / 0.5) = 0.9): both drafts are kept.
+    assert out["tokens"].tolist() == [[0, 1, 0]]
+    ```
+    """
+    return SpeculativeStep(
+        BlockAcceptance(),
+        LastPassCount(),
+        BlockResidual(),
+        InverseCDF(),
+        check_values=check_values,
+        check_all_probs=check_values if check_all_probs is None else check_all_probs,
         throw=throw,
     )

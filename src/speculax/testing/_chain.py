@@ -233,7 +233,7 @@ def _run_pieces(
         passing, failing = bounds
         middle = jnp.maximum(passing + (failing - passing) // 2, 0)
         u = jax.lax.bitcast_convert_type(middle, jnp.float64)
-        passed = step.acceptance(sequences, q_batch, p_batch, u)
+        passed = step.acceptance(sequences, q_batch, p_batch, u, num_draft_tokens=None)
         still_open = failing - passing > 1
         passing = jnp.where(still_open & passed, middle, passing)
         failing = jnp.where(still_open & ~passed, middle, failing)
@@ -250,7 +250,7 @@ def _run_pieces(
     # probes catches the gross cases.
     def probe(j, consistent):
         u = jnp.full(sequences.shape, (j + 0.5) / _PROBES, jnp.float64)
-        passed = step.acceptance(sequences, q_batch, p_batch, u)
+        passed = step.acceptance(sequences, q_batch, p_batch, u, num_draft_tokens=None)
         return consistent & (passed == (u < pass_probs))
 
     monotone = jax.lax.fori_loop(

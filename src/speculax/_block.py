@@ -1,0 +1,67 @@
+"""The numbers of block verification (Sun et al., 2025) that its pieces share. See
+`docs/keeping_more.md`."""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._numerics import flush_subnormal
+from ._vocab_axis import probs_at_tokens
+
+
+def path_acceptance(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    *,
+    axis_name: str | None,
+) -> Float[Array, "batch draft+1"]:
+    """$P_0 = 1$ and $P_{i+1} = \\min(1, P_i \\, p_i(x_i) / q_i(x_i))$: the largest
+    probability with which the target can keep the first $i + 1$ draft tokens, given
+    what block verification kept before. In the arithmetic dtype.
+
+    As the ratio test does, the ratio is never divided by zero: when
+    $P_i \\, p_i(x_i) \\ge q_i(x_i)$ the result is 1 if $P_i \\, p_i(x_i) > 0$ and 0
+    otherwise, so that a token the target gives probability 0 ends every path
+    through it, whatever $q_i(x_i)$.
+    """
+    target_at, draft_at = probs_at_tokens(
+        draft_tokens, draft_probs, target_probs, axis_name=axis_name
+    )
+    ratios = [jnp.ones(draft_tokens.shape[:1], target_at.dtype)]
+    for i in range(draft_tokens.shape[1]):
+        ratios.append(next_ratio(ratios[-1], target_at[:, i], draft_at[:, i]))
+    return jnp.stack(ratios, axis=1)
+
+
+def next_ratio(
+    ratio: Float[Array, "*rows"],
+    target_at: Float[Array, "*rows"],
+    draft_at: Float[Array, "*rows"],
+) -> Float[Array, "*rows"]:
+    """$\\min(1, P \\, p(x) / q(x))$, without dividing by zero (see
+    `path_acceptance`)."""
+    kept = flush_subnormal(ratio * target_at)
+    below = kept / jnp.where(draft_at > 0, draft_at, 1)
+    return jnp.where(kept >= draft_at, (kept > 0).astype(kept.dtype), below)
+
+
+def block_continuation(
+    mass: Float[Array, "*rows"], ratio: Float[Array, "*rows"]
+) -> Float[Array, "*rows"]:
+    """$h = r / (r + (1 - P))$, or 1 when the denominator is 0: the probability
+    with which block verification keeps a path whose next position was rejected.
+    Summed as $r + (1 - P)$, never $(r + 1) - P$, so that block and traversal
+    verification round alike."""
+    total = mass + (1 - ratio)
+    return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1), 1)
+
+
+def scaled_excess(
+    scale: Float[Array, "*rows"],
+    target_row: Float[Array, "*rows vocab"],
+    draft_row: Float[Array, "*rows vocab"],
+) -> Float[Array, "*rows vocab"]:
+    """$\\max(P \\, p - q, 0)$, a difference of two normal numbers that is subnormal
+    counting as zero. With $P = 1$ the residual of token-by-token verification, to
+    the last bit."""
+    return flush_subnormal(jnp.maximum(scale[..., None] * target_row - draft_row, 0))
