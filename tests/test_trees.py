@@ -44,6 +44,19 @@ TARGET = language_model(0)
 DRAFTS = {"random": language_model(1), "adversarial": language_model(2, True)}
 
 
+STEPS = ("recursive", "traversal")
+
+
+def _step(kind: str, *args, **kwargs):
+    """The tree step of either kind: recursive rejection sampling (`TreeStep`) or
+    traversal verification (`TraversalStep`)."""
+    import speculax
+
+    if kind == "traversal":
+        return speculax.TraversalStep(*args, **kwargs)
+    return speculax.TreeStep(*args, **kwargs)
+
+
 def _rule(drafting: str):
     import speculax
 
@@ -55,12 +68,12 @@ def _rule(drafting: str):
 @pytest.mark.parametrize("draft", DRAFTS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("drafting", ["independent", "without replacement"])
-def test_lossless_by_exact_enumeration(drafting, shape, draft):
-    import speculax
+@pytest.mark.parametrize("kind", STEPS)
+def test_lossless_by_exact_enumeration(kind, drafting, shape, draft):
     import speculax.testing
 
     error = speculax.testing.tree_lossless_error(
-        speculax.TreeStep(_rule(drafting)),
+        _step(kind, _rule(drafting)),
         SHAPES[shape],
         TARGET,
         DRAFTS[draft],
@@ -74,12 +87,12 @@ def test_lossless_by_exact_enumeration(drafting, shape, draft):
     "shape, tokens",
     [("2x2", [1, 2, 0, 3, 3, 1]), ("width 3", [2, 0, 3]), ("uneven", [1, 1, -1, 0, 2])],
 )
-def test_deterministic_drafts_are_lossless(shape, tokens):
-    import speculax
+@pytest.mark.parametrize("kind", STEPS)
+def test_deterministic_drafts_are_lossless(kind, shape, tokens):
     import speculax.testing
 
     error = speculax.testing.tree_lossless_error(
-        speculax.TreeStep(),
+        _step(kind),
         SHAPES[shape],
         TARGET,
         DRAFTS["random"],
@@ -95,14 +108,14 @@ def test_deterministic_drafts_are_lossless(shape, tokens):
     [("independent", "without replacement"), ("without replacement", "independent")],
 )
 @pytest.mark.parametrize("shape", ["2x2", "width 3"])
+@pytest.mark.parametrize("kind", STEPS)
 def test_the_enumeration_catches_a_rule_that_does_not_match_the_drafter(
-    drafting, wrong_rule, shape
+    kind, drafting, wrong_rule, shape
 ):
-    import speculax
     import speculax.testing
 
     error = speculax.testing.tree_lossless_error(
-        speculax.TreeStep(_rule(wrong_rule)),
+        _step(kind, _rule(wrong_rule)),
         SHAPES[shape],
         TARGET,
         DRAFTS["random"],
@@ -112,7 +125,8 @@ def test_the_enumeration_catches_a_rule_that_does_not_match_the_drafter(
     assert error > 1e-3
 
 
-def test_the_enumeration_catches_a_residual_that_forgets_the_draft():
+@pytest.mark.parametrize("kind", STEPS)
+def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
     import speculax
     import speculax.testing
 
@@ -121,7 +135,7 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft():
             return target, draft
 
     error = speculax.testing.tree_lossless_error(
-        speculax.TreeStep(KeepTarget()),
+        _step(kind, KeepTarget()),
         SHAPES["width 3"],
         TARGET,
         DRAFTS["random"],
@@ -164,15 +178,23 @@ def _sample_trees(rng, parents, num_trees, drafting):
     return tokens, draft_rows, target_rows
 
 
-@pytest.mark.parametrize("drafting", ["independent", "without replacement"])
-def test_the_jitted_step_draws_the_exact_distribution(drafting):
+@pytest.mark.parametrize(
+    "kind, drafting",
+    [
+        ("recursive", "independent"),
+        ("recursive", "without replacement"),
+        ("traversal", "independent"),
+        ("traversal", "without replacement"),
+    ],
+)
+def test_the_jitted_step_draws_the_exact_distribution(kind, drafting):
     """A chi-square test of the emitted sequences of the compiled step against the
     enumeration's exact distribution (which the tests above prove lossless)."""
     import speculax
     import speculax.testing
 
     parents = SHAPES["2x2"]
-    step = speculax.TreeStep(_rule(drafting))
+    step = _step(kind, _rule(drafting))
     exact = speculax.testing.tree_output_distribution(
         step, parents, TARGET, DRAFTS["random"], VOCAB, drafting=drafting
     )
@@ -241,6 +263,70 @@ def test_a_chain_is_verified_as_the_chain_step_does(style, deterministic):
     )
 
 
+def _close_chain(seed: int, dtype) -> dict[str, np.ndarray]:
+    """A batch of chains whose drafts are a perturbed copy of the target, so that
+    long paths are kept and every kind of block is seen."""
+    inputs = random_inputs(seed, 64, 4, 300)
+    rng = np.random.default_rng(seed)
+    target = inputs["target_probs"].astype(np.float64)
+    draft = target[:, :4] * np.exp(0.7 * rng.standard_normal(target[:, :4].shape))
+    draft /= draft.sum(-1, keepdims=True)
+    cumulative = np.cumsum(draft, axis=-1)
+    tokens = np.minimum((cumulative < rng.random((64, 4, 1))).sum(-1), 299)
+    inputs.update(draft_tokens=tokens, draft_probs=draft, target_probs=target)
+    for name in ("draft_probs", "target_probs", "accept_uniforms", "sample_uniforms"):
+        inputs[name] = inputs[name].astype(dtype)
+    return inputs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["q", "no q"])
+def test_traversal_on_a_chain_is_block_verification(deterministic, dtype):
+    """Bit for bit: node i's alpha is P_i, and deleting node i + 1 turns it into
+    h_i, summed in the same order."""
+    import speculax
+
+    with jax.enable_x64(dtype == "float64"):
+        inputs = _close_chain(4, dtype)
+        tree = _chain_as_tree(inputs)
+        if deterministic:
+            inputs["draft_probs"] = tree["draft_probs"] = None
+        block = eqx.filter_jit(speculax.block_step())(**inputs)
+        out = eqx.filter_jit(speculax.TraversalStep(max_depth=4))(**tree)
+        token_by_token = speculax.SpeculativeStep()(**inputs)
+    np.testing.assert_array_equal(out["num_accepted"], block["num_accepted"])
+    np.testing.assert_array_equal(out["tokens"], block["tokens"])
+    if not deterministic:
+        # Blocks kept past a failed test: the reduction is not the trivial one.
+        kept_more = block["num_accepted"] > token_by_token["num_accepted"]
+        assert np.any(np.asarray(kept_more))
+
+
+@pytest.mark.parametrize("drafting", ["independent", "without replacement"])
+def test_traversal_keeps_at_least_as_many_tokens_as_recursive_sampling(drafting):
+    import speculax.testing
+
+    def mean_length(kind, parents):
+        dist = speculax.testing.tree_output_distribution(
+            _step(kind, _rule(drafting)),
+            parents,
+            TARGET,
+            DRAFTS["random"],
+            VOCAB,
+            drafting=drafting,
+        )
+        return sum(probability * len(s) for s, probability in dist.items())
+
+    gains = {
+        shape: mean_length("traversal", parents) - mean_length("recursive", parents)
+        for shape, parents in SHAPES.items()
+    }
+    assert min(gains.values()) > -1e-12, gains
+    # A tree of depth 1 is the same walk; deeper ones keep more.
+    assert abs(gains["width 3"]) < 1e-12
+    assert gains["2x2"] > 1e-3 and gains["uneven"] > 1e-3
+
+
 def _random_tree_inputs(seed, batch):
     rng = np.random.default_rng(seed)
     parents = np.array([0, 0, 1, 1, 2, 0, 3])
@@ -255,11 +341,10 @@ def _random_tree_inputs(seed, batch):
     }
 
 
-def test_row_alone_equals_row_in_batch():
-    import speculax
-
+@pytest.mark.parametrize("kind", STEPS)
+def test_row_alone_equals_row_in_batch(kind):
     inputs = _random_tree_inputs(5, 12)
-    run = _jitted(speculax.TreeStep())
+    run = _jitted(_step(kind))
     batched = run(**inputs)
     assert 0 < np.mean(batched["num_accepted"]) < 3
     reversed_rows = run(**{name: value[::-1] for name, value in inputs.items()})
@@ -271,20 +356,20 @@ def test_row_alone_equals_row_in_batch():
             np.testing.assert_array_equal(alone[name][0], batched[name][b])
 
 
-def test_accepted_nodes_follow_the_path():
-    """With coins of 0 every child the target allows passes: the walk takes each
-    node's first child, so the path is 1, 3, 5 (node 3 is node 1's first child, 5
-    node 3's, the only one of depth 3)."""
-    import speculax
-
+@pytest.mark.parametrize("kind", STEPS)
+def test_accepted_nodes_follow_the_path(kind):
+    """With coins of 0 every node the target allows passes. The recursive walk takes
+    each node's first child, so the path is 1, 3, 5 (node 3 is node 1's first
+    child, 5 node 3's, the only one of depth 3); traversal tests the deepest node
+    down the first children first, 5, and keeps the same path."""
     inputs = _random_tree_inputs(6, 2)
     inputs["parents"][:] = [0, 0, 1, 1, 3, 0, 2]
     inputs["accept_uniforms"][:] = 0
-    out = _jitted(speculax.TreeStep())(**inputs)
+    out = _jitted(_step(kind))(**inputs)
     assert out["accepted_nodes"].tolist() == [[1, 3, 5, -1] + [-1] * 4] * 2
     tokens = inputs["tree_tokens"]
     assert out["tokens"][:, :3].tolist() == tokens[:, [0, 2, 4]].tolist()
-    limited = speculax.TreeStep(max_depth=2)(**inputs)
+    limited = _step(kind, max_depth=2)(**inputs)
     assert limited["accepted_nodes"].tolist() == [[1, 3, -1]] * 2
 
 
@@ -313,14 +398,15 @@ def _overflowing_root(inputs):
         (_overflowing_root, "target_probs must have rows whose total"),
     ],
 )
-def test_bad_values_raise_or_come_back_per_row(change, message):
+@pytest.mark.parametrize("kind", STEPS)
+def test_bad_values_raise_or_come_back_per_row(kind, change, message):
     import speculax
 
     inputs = _random_tree_inputs(8, 2)
     change(inputs)
     with pytest.raises(RuntimeError, match=message):
-        jax.block_until_ready(_jitted(speculax.TreeStep())(**inputs))
-    out = _jitted(speculax.TreeStep(throw=False))(**inputs)
+        jax.block_until_ready(_jitted(_step(kind))(**inputs))
+    out = _jitted(_step(kind, throw=False))(**inputs)
     messages = speculax.failure_messages(out["result"])
     assert any(m.startswith(message) for m in messages), messages
     for b, m in enumerate(messages):
@@ -329,13 +415,12 @@ def test_bad_values_raise_or_come_back_per_row(change, message):
             assert out["num_accepted"][b] == 0
 
 
-def test_vmap_over_an_extra_leading_axis():
-    import speculax
-
+@pytest.mark.parametrize("kind", STEPS)
+def test_vmap_over_an_extra_leading_axis(kind):
     inputs = _random_tree_inputs(10, 4)
     stacked = {name: np.stack([value, value[::-1]]) for name, value in inputs.items()}
-    out = jax.vmap(speculax.TreeStep())(**stacked)
-    alone = _jitted(speculax.TreeStep())(**inputs)
+    out = jax.vmap(_step(kind))(**stacked)
+    alone = _jitted(_step(kind))(**inputs)
     for name in ("num_accepted", "tokens", "accepted_nodes"):
         np.testing.assert_array_equal(out[name][0], alone[name])
         np.testing.assert_array_equal(out[name][1], alone[name][::-1])
@@ -353,11 +438,10 @@ def test_structure_errors_name_the_argument():
         speculax.TreeStep(max_depth=0)
 
 
-def test_empty_batch_and_empty_tree():
-    import speculax
-
+@pytest.mark.parametrize("kind", STEPS)
+def test_empty_batch_and_empty_tree(kind):
     inputs = _random_tree_inputs(9, 3)
-    empty = speculax.TreeStep()(**{name: value[:0] for name, value in inputs.items()})
+    empty = _step(kind)(**{name: value[:0] for name, value in inputs.items()})
     assert empty["tokens"].shape == (0, 8)
     no_nodes = {
         "parents": inputs["parents"][:, :0],
@@ -367,7 +451,7 @@ def test_empty_batch_and_empty_tree():
         "accept_uniforms": inputs["accept_uniforms"][:, :0],
         "sample_uniforms": inputs["sample_uniforms"],
     }
-    out = speculax.TreeStep()(**no_nodes)
+    out = _step(kind)(**no_nodes)
     assert out["num_accepted"].tolist() == [0, 0, 0]
     assert bool(jnp.all(out["tokens"][:, 0] >= 0))
 

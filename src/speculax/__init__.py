@@ -43,8 +43,10 @@ from ._step import (
     greedy_step as greedy_step,
     speculative_step as speculative_step,
 )
+from ._traversal import TraversalStep as TraversalStep
 from ._tree import (
     AbstractSiblingRule as AbstractSiblingRule,
+    AbstractTreeStep as AbstractTreeStep,
     IndependentSiblings as IndependentSiblings,
     SiblingsWithoutReplacement as SiblingsWithoutReplacement,
     TreeOutput as TreeOutput,

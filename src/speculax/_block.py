@@ -51,9 +51,12 @@ def block_continuation(
     """$h = r / (r + (1 - P))$, or 1 when the denominator is 0: the probability
     with which block verification keeps a path whose next position was rejected.
     Summed as $r + (1 - P)$, never $(r + 1) - P$, so that block and traversal
-    verification round alike."""
+    verification round alike. An infinite mass, from rows whose total overflows
+    (which the checks report), gives 1 rather than NaN, so that the report names
+    the overflow."""
     total = mass + (1 - ratio)
-    return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1), 1)
+    ordinary = (total > 0) & jnp.isfinite(total)
+    return jnp.where(ordinary, mass / jnp.where(ordinary, total, 1), 1)
 
 
 def scaled_excess(

@@ -124,8 +124,9 @@ class TreeOutput(TypedDict):
 
 
 @final
-class _Walk(eqx.Module):
-    """The state of one row's walk down its tree, node by node in index order."""
+class TreeWalk(eqx.Module):
+    """The state of one row's walk over its tree; when the walk ends, where it ended
+    and what it found wrong, which the final draw and the checks read."""
 
     current: Int[Array, ""]
     depth: Int[Array, ""]
@@ -146,7 +147,7 @@ class _Walk(eqx.Module):
     overflow: Bool[Array, ""]
 
 
-def _arithmetic_dtype(
+def arithmetic_dtype(
     draft_probs: Float[Array, "..."] | None, target_probs: Float[Array, "..."]
 ) -> jnp.dtype:
     """float32 for half and single precision inputs, float64 where either array is
@@ -155,9 +156,9 @@ def _arithmetic_dtype(
     return jnp.result_type(jnp.float32, *dtypes)
 
 
-def _start(vocab: int, dtype: jnp.dtype, max_depth: int) -> _Walk:
+def start_walk(vocab: int, dtype: jnp.dtype, max_depth: int) -> TreeWalk:
     """A walk at the root, before any node is visited."""
-    return _Walk(
+    return TreeWalk(
         current=jnp.zeros((), jnp.int32),
         depth=jnp.zeros((), jnp.int32),
         updated=jnp.array(False),
@@ -174,36 +175,21 @@ def _start(vocab: int, dtype: jnp.dtype, max_depth: int) -> _Walk:
     )
 
 
-@final
-class TreeStep(eqx.Module):
-    """One verification step over a batch of draft trees, by recursive rejection
-    sampling: lossless when the sibling rule matches how the children were drawn.
+class AbstractTreeStep(eqx.Module):
+    """A verification step over a batch of draft trees: the inputs, their checks,
+    the final draw and the output are shared; how a row's tree is walked is each
+    step's own.
 
-    At each node, starting at the root, the children are tried in index order; a
-    child $c$ passes when $u_c \\, q(c) < p(c)$ and the walk moves into it. A failed
-    child leaves the distributions of the sibling rule for the next one. When every
-    child of a node fails, the token is drawn from what they left; when the walk
-    reaches a node without children, the bonus token is drawn from its target row.
-    A residual without mass falls back to the node's target row, as in the chain
-    step.
-
-    **Arguments:**
-
-    - `siblings`: an [`speculax.AbstractSiblingRule`][]; default
-        [`speculax.IndependentSiblings`][].
-    - `sampler`: an [`speculax.AbstractSampler`][]; default
-        [`speculax.InverseCDF`][].
-    - `max_depth`: keyword only, the longest path kept, a static positive integer,
-        or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
-        ignored.
-    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    Every tree step has a sibling rule (what a rejected child leaves for the
+    distributions it was tested against), a sampler, a depth limit and the flags of
+    [`speculax.SpeculativeStep`][]. The concrete steps are final.
     """
 
-    siblings: AbstractSiblingRule = IndependentSiblings()
-    sampler: AbstractSampler = InverseCDF()
-    max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
-    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
-    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+    siblings: eqx.AbstractVar[AbstractSiblingRule]
+    sampler: eqx.AbstractVar[AbstractSampler]
+    max_depth: eqx.AbstractVar[int | None]
+    check_values: eqx.AbstractVar[bool]
+    throw: eqx.AbstractVar[bool]
 
     def __check_init__(self):
         if self.max_depth is not None and self.max_depth < 1:
@@ -286,7 +272,7 @@ class TreeStep(eqx.Module):
         vocab = target_probs.shape[-1]
 
         def one_tree(b):
-            return self._walk(
+            return self.walk(
                 max_depth,
                 b,
                 parents,
@@ -298,10 +284,10 @@ class TreeStep(eqx.Module):
 
         if batch == 0:
             # The loop's body, traced even for no rows, would index empty arrays.
-            dtype = _arithmetic_dtype(draft_probs, target_probs)
+            dtype = arithmetic_dtype(draft_probs, target_probs)
             walks = jax.tree.map(
                 lambda x: jnp.zeros((0, *x.shape), x.dtype),
-                _start(vocab, dtype, max_depth),
+                start_walk(vocab, dtype, max_depth),
             )
         else:
             # A loop over the row indices, the arrays read in place: looping over
@@ -338,7 +324,8 @@ class TreeStep(eqx.Module):
             return raise_first_failure(output, result)
         return empty_failed_rows(output, result)
 
-    def _walk(
+    @abc.abstractmethod
+    def walk(
         self,
         max_depth: int,
         b: Int[Array, ""],
@@ -347,12 +334,113 @@ class TreeStep(eqx.Module):
         draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
         target_probs: Float[Array, "batch nodes+1 vocab"],
         accept_uniforms: Float[Array, "batch nodes"],
-    ) -> _Walk:
+    ) -> TreeWalk:
+        """The walk over row `b`'s tree, reading the arrays of the whole batch in
+        place. `parents` hold -1 for unused slots and are otherwise valid where the
+        checks pass (what they return for bad parents is discarded); nodes deeper
+        than `max_depth` are ignored.
+
+        **Returns:**
+
+        Where the walk ended: the node whose distribution the final token is drawn
+        from, its depth and the path to it, that distribution (`updated`, or the
+        node's own target row), and the bad values it met.
+        """
+
+    def _draw(
+        self,
+        walks: TreeWalk,
+        draft_probs: Float[Array, "batch positions vocab"] | None,
+        target_probs: Float[Array, "batch positions vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> tuple[Int[Array, " batch"], list[Failure]]:
+        """The final token, from what the rejected children left or from the target
+        row of the node the walk ended at (the bonus token), and the checks of the
+        weights drawn from: a negative or non-finite value, a total that overflows.
+
+        [`speculax.InverseCDF`][] sums the weights in the lanes the chain step's
+        row summary uses for the same inputs, so that a chain drawn as a tree gets
+        the chain step's token even for a uniform on a block's edge.
+        """
+        batch, _, vocab = target_probs.shape
+        own_row = upcast(target_probs[jnp.arange(batch), walks.current])
+        weights = jnp.where(walks.updated[:, None], walks.target, own_row)
+        bad_row = jnp.any(not_a_probability(weights), axis=-1)
+        if type(self.sampler) is InverseCDF:
+            # The draw's block sums serve the overflow check too: summing the rows
+            # apart would cost two (B, V) temporaries.
+            block_size = min(self.sampler.block_size, vocab)
+            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
+            block_mass = ordered_block_sums(weights, block_size, lanes)
+            total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
+            drawn = draw_from_blocks(
+                block_mass,
+                block_reader(weights, block_size),
+                block_size,
+                vocab,
+                sample_uniforms,
+                None,
+            )
+        else:
+            total = ordered_row_sums(weights, None)
+            drawn = self.sampler(weights, sample_uniforms)
+        overflows = walks.overflow | jnp.isinf(
+            total[..., 0] if total.ndim > 1 else total
+        )
+        failures = [
+            (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
+            (walks.bad_draft_row, RESULTS.bad_draft_row),
+            (overflows, RESULTS.target_row_overflows),
+        ]
+        return drawn, failures
+
+
+@final
+class TreeStep(AbstractTreeStep):
+    """One verification step over a batch of draft trees, by recursive rejection
+    sampling: lossless when the sibling rule matches how the children were drawn.
+
+    At each node, starting at the root, the children are tried in index order; a
+    child $c$ passes when $u_c \\, q(c) < p(c)$ and the walk moves into it. A failed
+    child leaves the distributions of the sibling rule for the next one. When every
+    child of a node fails, the token is drawn from what they left; when the walk
+    reaches a node without children, the bonus token is drawn from its target row.
+    A residual without mass falls back to the node's target row, as in the chain
+    step. Called as [`speculax.AbstractTreeStep.__call__`][].
+
+    **Arguments:**
+
+    - `siblings`: an [`speculax.AbstractSiblingRule`][]; default
+        [`speculax.IndependentSiblings`][].
+    - `sampler`: an [`speculax.AbstractSampler`][]; default
+        [`speculax.InverseCDF`][].
+    - `max_depth`: keyword only, the longest path kept, a static positive integer,
+        or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
+        ignored.
+    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    """
+
+    siblings: AbstractSiblingRule = IndependentSiblings()
+    sampler: AbstractSampler = InverseCDF()
+    max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
+    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
+    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    def walk(
+        self,
+        max_depth: int,
+        b: Int[Array, ""],
+        parents: Int[Array, "batch nodes"],
+        tree_tokens: Int[Array, "batch nodes"],
+        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
+        target_probs: Float[Array, "batch nodes+1 vocab"],
+        accept_uniforms: Float[Array, "batch nodes"],
+    ) -> TreeWalk:
         """The walk of row `b`: every node is visited once, in index order, and
         tested when its parent is the current node (parents come first, so the
         children of a node all follow it). Only a failed test reads whole rows."""
         vocab = target_probs.shape[-1]
-        dtype = _arithmetic_dtype(draft_probs, target_probs)
+        dtype = arithmetic_dtype(draft_probs, target_probs)
 
         def row(probs, node):
             zero = jnp.zeros((), jnp.int32)
@@ -367,16 +455,16 @@ class TreeStep(eqx.Module):
                 return (jnp.arange(vocab) == token).astype(dtype)
             return row(draft_probs, node)
 
-        def visit(j, walk: _Walk) -> _Walk:
+        def visit(j, walk: TreeWalk) -> TreeWalk:
             token = tree_tokens[b, j]
             is_child = (parents[b, j] == walk.current) & (walk.depth < max_depth)
             return jax.lax.cond(is_child, test, skip, j, token, walk)
 
-        def skip(j, token, walk: _Walk) -> _Walk:
+        def skip(j, token, walk: TreeWalk) -> TreeWalk:
             del j, token
             return walk
 
-        def test(j, token, walk: _Walk) -> _Walk:
+        def test(j, token, walk: TreeWalk) -> TreeWalk:
             at = jnp.clip(token, 0, vocab - 1)
             raw_target = upcast(target_probs[b, walk.current, at])
             if draft_probs is None:
@@ -400,7 +488,7 @@ class TreeStep(eqx.Module):
             passed = accept_uniforms[b, j] * draft_at < target_at
             return jax.lax.cond(passed, accept, reject, j, token, walk)
 
-        def accept(j, token, walk: _Walk) -> _Walk:
+        def accept(j, token, walk: TreeWalk) -> TreeWalk:
             # int32 whatever the loop's index type (int64 under x64).
             node = (j + 1).astype(jnp.int32)
             return eqx.tree_at(
@@ -415,7 +503,7 @@ class TreeStep(eqx.Module):
                 ),
             )
 
-        def reject(j, token, walk: _Walk) -> _Walk:
+        def reject(j, token, walk: TreeWalk) -> TreeWalk:
             del j
             own_target = target_row(walk.current)
             own_draft = draft_row(walk.current, token)
@@ -462,59 +550,12 @@ class TreeStep(eqx.Module):
                 ),
             )
 
-        start = _start(vocab, dtype, max_depth)
+        start = start_walk(vocab, dtype, max_depth)
         if parents.shape[1] == 0:
             # No draft nodes: the walk ends at the root (and the loop's body, traced
             # even for zero steps, would index empty arrays).
             return start
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
-
-    def _draw(
-        self,
-        walks: _Walk,
-        draft_probs: Float[Array, "batch positions vocab"] | None,
-        target_probs: Float[Array, "batch positions vocab"],
-        sample_uniforms: Float[Array, " batch"],
-    ) -> tuple[Int[Array, " batch"], list[Failure]]:
-        """The final token, from what the rejected children left or from the target
-        row of the node the walk ended at (the bonus token), and the checks of the
-        weights drawn from: a negative or non-finite value, a total that overflows.
-
-        [`speculax.InverseCDF`][] sums the weights in the lanes the chain step's
-        row summary uses for the same inputs, so that a chain drawn as a tree gets
-        the chain step's token even for a uniform on a block's edge.
-        """
-        batch, _, vocab = target_probs.shape
-        own_row = upcast(target_probs[jnp.arange(batch), walks.current])
-        weights = jnp.where(walks.updated[:, None], walks.target, own_row)
-        bad_row = jnp.any(not_a_probability(weights), axis=-1)
-        if type(self.sampler) is InverseCDF:
-            # The draw's block sums serve the overflow check too: summing the rows
-            # apart would cost two (B, V) temporaries.
-            block_size = min(self.sampler.block_size, vocab)
-            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
-            block_mass = ordered_block_sums(weights, block_size, lanes)
-            total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
-            drawn = draw_from_blocks(
-                block_mass,
-                block_reader(weights, block_size),
-                block_size,
-                vocab,
-                sample_uniforms,
-                None,
-            )
-        else:
-            total = ordered_row_sums(weights, None)
-            drawn = self.sampler(weights, sample_uniforms)
-        overflows = walks.overflow | jnp.isinf(
-            total[..., 0] if total.ndim > 1 else total
-        )
-        failures = [
-            (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
-            (walks.bad_draft_row, RESULTS.bad_draft_row),
-            (overflows, RESULTS.target_row_overflows),
-        ]
-        return drawn, failures
 
 
 def _check_tree_structure(
@@ -557,7 +598,7 @@ def _tree_failures(
     accept_uniforms: Float[Array, "batch nodes"],
     sample_uniforms: Float[Array, " batch"],
     vocab: int,
-    walks: _Walk,
+    walks: TreeWalk,
     row_failures: list[Failure],
     drawn: Int[Array, " batch"],
 ) -> list[Failure]:

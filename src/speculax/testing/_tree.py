@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float
 
-from .._tree import TreeStep
+from .._traversal import TraversalStep
+from .._tree import AbstractTreeStep
 
 
 # A language model for the enumeration: the distribution of the next token after a
@@ -21,7 +22,7 @@ _MAX_TREES = 200_000
 
 
 def tree_output_distribution(
-    step: TreeStep,
+    step: AbstractTreeStep,
     parents: Sequence[int],
     target: Model,
     draft: Model,
@@ -114,18 +115,50 @@ def tree_output_distribution(
             q = q / q.sum() if q.sum() > 0 else q
         emit(prefix, p, weight)
 
+    def traverse(node, depth, prefix, tokens, weight, alphas):
+        """Traversal verification of the subtree under `node`, entered with the
+        probability `alphas[-1]` of keeping the path to it; returns the probability
+        that the walk goes on past it (its test and every test under it failed),
+        having updated the parent's entry of `alphas`."""
+        own = np.asarray(target(prefix), np.float64)
+        p, q = own, np.asarray(draft(prefix), np.float64)
+        for child in children[node] if depth < max_depth else []:
+            token = tokens[child]
+            if target_only or drafting == "deterministic":
+                q = np.eye(vocab)[token]
+            alphas.append(_next_ratio(alphas[-1], float(p[token]), float(q[token])))
+            path = (*prefix, token)
+            weight = traverse(child, depth + 1, path, tokens, weight, alphas)
+            alphas.pop()
+            if weight == 0:
+                return 0.0
+            left, q = sibling_rule(alphas[-1] * p, q, token)
+            mass = float(left.sum())
+            total = mass + (1 - alphas[-1])
+            alphas[-1] = mass / total if total > 0 else 1.0
+            if mass == 0:
+                left = own
+            p = left / left.sum()
+            q = q / q.sum() if q.sum() > 0 else q
+        kept = min(max(alphas[-1], 0.0), 1.0) if node > 0 else 1.0
+        emit(prefix, p, weight * kept)
+        return weight * (1 - kept)
+
     if drafting == "deterministic":
         assert tree_tokens is not None
         assignments = [({j: int(tree_tokens[j - 1]) for j in used}, 1.0)]
     else:
         assignments = _draft_trees(used, parents, draft, vocab, drafting)
     for tokens, weight in assignments:
-        walk(0, 0, (), tokens, weight)
+        if isinstance(step, TraversalStep):
+            traverse(0, 0, (), tokens, weight, [1.0])
+        else:
+            walk(0, 0, (), tokens, weight)
     return distribution
 
 
 def tree_lossless_error(
-    step: TreeStep,
+    step: AbstractTreeStep,
     parents: Sequence[int],
     target: Model,
     draft: Model,
@@ -172,6 +205,14 @@ def tree_lossless_error(
         for a in range(vocab):
             error = max(error, abs(starts.get((*prefix, a), 0.0) - expected[a]))
     return float(error)
+
+
+def _next_ratio(ratio: float, target_at: float, draft_at: float) -> float:
+    """$\\min(1, \\alpha \\, p(c) / q(c))$, with the step's rule for zeros."""
+    kept = ratio * target_at
+    if kept >= draft_at:
+        return 1.0 if kept > 0 else 0.0
+    return kept / draft_at
 
 
 def _pass_probability(target_at: float, draft_at: float) -> float:
@@ -223,7 +264,7 @@ def _path(node: int, parents: list[int], tokens: dict[int, int]) -> tuple[int, .
 
 
 def _compiled_rule(
-    step: TreeStep,
+    step: AbstractTreeStep,
 ) -> Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
     """The step's sibling rule on float64 NumPy rows, compiled once."""
     rule = eqx.filter_jit(step.siblings)

@@ -1,0 +1,353 @@
+"""Traversal verification (Weng et al., 2025): tree verification that judges each
+path from the root as a whole, visiting the nodes deepest first. See
+`docs/keeping_more.md`."""
+
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._block import block_continuation, next_ratio
+from ._failures import not_a_probability
+from ._numerics import flush_subnormal, upcast
+from ._sampling import AbstractSampler, InverseCDF
+from ._tree import (
+    AbstractSiblingRule,
+    AbstractTreeStep,
+    IndependentSiblings,
+    TreeWalk,
+    arithmetic_dtype,
+    start_walk,
+)
+from ._vocab_axis import ordered_row_sums
+
+
+@final
+class _Traversal(eqx.Module):
+    """One row's traversal between two events. Arrays indexed by depth describe the
+    path from the root to `node`: only its nodes can have lost children."""
+
+    node: Int[Array, ""]
+    # Whether `node` is next to be tested (every child it had is gone), rather than
+    # entered.
+    testing: Bool[Array, ""]
+    done: Bool[Array, ""]
+    path: Int[Array, " levels"]
+    # alpha of each node on the path: the probability of keeping the path to it.
+    ratio: Float[Array, " levels"]
+    # Whether the path's node at a depth has lost a child, and then what its lost
+    # children left: the target unnormalised, with its mass, the draft normalised.
+    updated: Bool[Array, " depth"]
+    target: Float[Array, "depth vocab"]
+    target_mass: Float[Array, " depth"]
+    draft: Float[Array, "depth vocab"]
+    bad_target: Bool[Array, ""]
+    bad_draft: Bool[Array, ""]
+    bad_target_row: Bool[Array, ""]
+    bad_draft_row: Bool[Array, ""]
+    overflow: Bool[Array, ""]
+
+
+@final
+class TraversalStep(AbstractTreeStep):
+    """One verification step over a batch of draft trees by traversal verification
+    (Weng et al., 2025): the nodes are visited deepest first, and a node is kept
+    with the probability $\\alpha$ of keeping the whole path from the root to it,
+    not child by child. Lossless when the sibling rule matches how the children
+    were drawn, and it keeps at least as many tokens in expectation as
+    [`speculax.TreeStep`][]'s recursive rejection sampling on the same trees; on a
+    chain it is [`speculax.block_step`][], to the last bit.
+
+    The root has $\\alpha = 1$, and a node $c$ with parent $u$ has
+    $\\alpha(c) = \\min(1, \\alpha(u) \\, p_u(c) / q_u(c))$, computed when the walk
+    enters $c$ from $u$'s current distributions. The walk goes down each node's
+    children in index order, and tests a node once every child it had is gone
+    (post-order): node $v$ passes when its coin $u_v < \\alpha(v)$, which keeps the
+    path to $v$ and ends the walk, the token drawn from $v$'s current target
+    distribution. A failed $v$ is deleted, and its parent $u$ updated through the
+    sibling rule applied to $(\\alpha(u) \\, p_u, q_u)$: $p_u$ becomes what it leaves,
+    $r = \\sum_x \\max(\\alpha(u) \\, p_u(x) - q_u(x), 0)$ for the independent and
+    without-replacement rules, normalised, and
+    $\\alpha(u) \\leftarrow r / (r + (1 - \\alpha(u)))$. The root, whose $\\alpha$
+    stays 1, always passes. A residual without mass falls back to the node's target
+    row, as in the chain step. Called as [`speculax.AbstractTreeStep.__call__`][].
+
+    The walk keeps the rows of the nodes on the current path that lost a child: two
+    `(max_depth, V)` arrays per tree in flight, so set `max_depth` to the depth of
+    the trees.
+
+    **Arguments:**
+
+    - `siblings`: an [`speculax.AbstractSiblingRule`][]; default
+        [`speculax.IndependentSiblings`][].
+    - `sampler`: an [`speculax.AbstractSampler`][]; default
+        [`speculax.InverseCDF`][].
+    - `max_depth`: keyword only, the longest path kept, a static positive integer,
+        or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
+        ignored.
+    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    """
+
+    siblings: AbstractSiblingRule = IndependentSiblings()
+    sampler: AbstractSampler = InverseCDF()
+    max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
+    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
+    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    def walk(
+        self,
+        max_depth: int,
+        b: Int[Array, ""],
+        parents: Int[Array, "batch nodes"],
+        tree_tokens: Int[Array, "batch nodes"],
+        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
+        target_probs: Float[Array, "batch nodes+1 vocab"],
+        accept_uniforms: Float[Array, "batch nodes"],
+    ) -> TreeWalk:
+        """One event per loop iteration, entering a node or testing one: at most
+        two per node and one for the root. Only a failed test reads whole rows."""
+        num_nodes = parents.shape[1]
+        vocab = target_probs.shape[-1]
+        dtype = arithmetic_dtype(draft_probs, target_probs)
+        start = start_walk(vocab, dtype, max_depth)
+        if num_nodes == 0:
+            # No draft nodes: the walk ends at the root (and the loop's body, traced
+            # even for zero steps, would index empty arrays).
+            return start
+        depth, first_child, next_sibling = _tree_links(parents[b], max_depth)
+
+        def row(probs, node):
+            zero = jnp.zeros((), jnp.int32)
+            sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, vocab))
+            return upcast(sliced[0, 0])
+
+        def token_of(node):
+            return jnp.clip(tree_tokens[b, node - 1], 0, vocab - 1)
+
+        def event(_, state: _Traversal) -> _Traversal:
+            return jax.lax.cond(
+                state.done,
+                lambda s: s,
+                lambda s: jax.lax.cond(s.testing, test, enter, s),
+                state,
+            )
+
+        def enter(state: _Traversal) -> _Traversal:
+            child = state.node
+            at_depth = depth[child]
+            parent_depth = at_depth - 1
+            parent = state.path[parent_depth]
+            token = token_of(child)
+            raw_target = upcast(target_probs[b, parent, token])
+            updated = state.updated[parent_depth]
+            target_at = jnp.where(
+                updated,
+                state.target[parent_depth, token] / state.target_mass[parent_depth],
+                raw_target,
+            )
+            if draft_probs is None:
+                raw_draft = jnp.ones((), dtype)
+                draft_at = raw_draft
+            else:
+                raw_draft = upcast(draft_probs[b, parent, token])
+                draft_at = jnp.where(
+                    updated, state.draft[parent_depth, token], raw_draft
+                )
+            ratio = next_ratio(state.ratio[parent_depth], target_at, draft_at)
+            first = first_child[child]
+            return eqx.tree_at(
+                lambda s: (
+                    s.node,
+                    s.testing,
+                    s.path,
+                    s.ratio,
+                    s.updated,
+                    s.bad_target,
+                    s.bad_draft,
+                ),
+                state,
+                (
+                    jnp.where(first > 0, first, child),
+                    first == 0,
+                    state.path.at[at_depth].set(child),
+                    state.ratio.at[at_depth].set(ratio),
+                    # Out of range (a leaf at max_depth) drops the update.
+                    state.updated.at[at_depth].set(False, mode="drop"),
+                    state.bad_target | not_a_probability(raw_target),
+                    state.bad_draft | not_a_probability(raw_draft),
+                ),
+            )
+
+        def test(state: _Traversal) -> _Traversal:
+            node = state.node
+            index = jnp.maximum(node - 1, 0)
+            passed = (node == 0) | (
+                accept_uniforms[b, index] < state.ratio[depth[node]]
+            )
+            return jax.lax.cond(passed, _finish, reject, state)
+
+        def reject(state: _Traversal) -> _Traversal:
+            node = state.node
+            parent_depth = depth[node] - 1
+            parent = state.path[parent_depth]
+            token = token_of(node)
+            updated = state.updated[parent_depth]
+            own_target = row(target_probs, parent)
+            if draft_probs is None:
+                own_draft = (jnp.arange(vocab) == token).astype(dtype)
+                draft = own_draft
+            else:
+                own_draft = row(draft_probs, parent)
+                draft = jnp.where(updated, state.draft[parent_depth], own_draft)
+            target = jnp.where(
+                updated,
+                state.target[parent_depth] / state.target_mass[parent_depth],
+                own_target,
+            )
+            ratio = state.ratio[parent_depth]
+            left, draft = self.siblings(ratio * target, draft, token)
+            # A difference of two normal numbers can be subnormal: it counts as zero.
+            left = flush_subnormal(left)
+            mass = ordered_row_sums(left, None)
+            ratio = block_continuation(mass, ratio)
+            fallback = mass == 0
+            left = jnp.where(fallback, own_target, left)
+            mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
+            draft_mass = ordered_row_sums(draft, None)
+            draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+            sibling = next_sibling[node]
+            # The node's rows as given are checked whole when it first loses a
+            # child: a bad value anywhere in them would reach the draw.
+            first = ~updated
+            return eqx.tree_at(
+                lambda s: (
+                    s.node,
+                    s.testing,
+                    s.ratio,
+                    s.updated,
+                    s.target,
+                    s.target_mass,
+                    s.draft,
+                    s.bad_target_row,
+                    s.bad_draft_row,
+                    s.overflow,
+                ),
+                state,
+                (
+                    jnp.where(sibling > 0, sibling, parent),
+                    sibling == 0,
+                    state.ratio.at[parent_depth].set(ratio),
+                    state.updated.at[parent_depth].set(True),
+                    state.target.at[parent_depth].set(left),
+                    state.target_mass.at[parent_depth].set(mass),
+                    state.draft.at[parent_depth].set(draft),
+                    state.bad_target_row
+                    | (first & jnp.any(not_a_probability(own_target))),
+                    state.bad_draft_row
+                    | (first & jnp.any(not_a_probability(own_draft))),
+                    state.overflow | jnp.isinf(mass),
+                ),
+            )
+
+        root_child = first_child[0]
+        initial = _Traversal(
+            node=jnp.where(root_child > 0, root_child, 0),
+            testing=root_child == 0,
+            done=jnp.array(False),
+            path=jnp.zeros((max_depth + 1,), jnp.int32),
+            ratio=jnp.ones((max_depth + 1,), dtype),
+            updated=jnp.zeros((max_depth,), bool),
+            target=jnp.zeros((max_depth, vocab), dtype),
+            target_mass=jnp.ones((max_depth,), dtype),
+            draft=jnp.zeros((max_depth, vocab), dtype),
+            bad_target=jnp.array(False),
+            bad_draft=jnp.array(False),
+            bad_target_row=jnp.array(False),
+            bad_draft_row=jnp.array(False),
+            overflow=jnp.array(False),
+        )
+        final = jax.lax.fori_loop(0, 2 * num_nodes + 1, event, initial)
+        end = final.node
+        end_depth = depth[end]
+        on_path = jnp.arange(max_depth + 1) < end_depth
+        path_nodes = jnp.where(on_path, jnp.roll(final.path, -1), -1)
+        path_tokens = jnp.where(
+            on_path, tree_tokens[b, jnp.maximum(path_nodes - 1, 0)], -1
+        )
+        # A node at max_depth has no children in the walk: its rows are its own.
+        updated = final.updated.at[end_depth].get(mode="fill", fill_value=False)
+        kept = jnp.minimum(end_depth, max_depth - 1)
+        return eqx.tree_at(
+            lambda w: (
+                w.current,
+                w.depth,
+                w.updated,
+                w.target,
+                w.target_mass,
+                w.path_tokens,
+                w.path_nodes,
+                w.bad_target,
+                w.bad_draft,
+                w.bad_target_row,
+                w.bad_draft_row,
+                w.overflow,
+            ),
+            start,
+            (
+                end,
+                end_depth,
+                updated,
+                final.target[kept],
+                final.target_mass[kept],
+                path_tokens.astype(jnp.int32),
+                path_nodes,
+                final.bad_target,
+                final.bad_draft,
+                final.bad_target_row,
+                final.bad_draft_row,
+                final.overflow,
+            ),
+        )
+
+
+def _finish(state: _Traversal) -> _Traversal:
+    return eqx.tree_at(lambda s: s.done, state, jnp.array(True))
+
+
+def _tree_links(
+    parents: Int[Array, " nodes"], max_depth: int
+) -> tuple[Int[Array, " nodes+1"], Int[Array, " nodes+1"], Int[Array, " nodes+1"]]:
+    """The depth of every node (`max_depth + 1` for a node outside the walk: unused,
+    too deep, or under a bad parent), and each node's first child and next sibling
+    within the walk, in index order (0 for none: the root is nobody's child or
+    sibling)."""
+    num_nodes = parents.shape[0]
+    outside = max_depth + 1
+
+    def depth_of(j, depth):
+        parent = parents[j]
+        valid = (parent >= 0) & (parent <= j)
+        below = jnp.minimum(depth[jnp.clip(parent, 0, num_nodes)] + 1, outside)
+        return depth.at[j + 1].set(jnp.where(valid, below, outside))
+
+    depth = jnp.zeros((num_nodes + 1,), jnp.int32)
+    depth = jax.lax.fori_loop(0, num_nodes, depth_of, depth)
+    nodes = jnp.arange(1, num_nodes + 1, dtype=jnp.int32)
+    in_walk = depth[1:] <= max_depth
+    none = jnp.zeros((), jnp.int32)
+
+    def first_of(is_candidate):
+        # The smallest candidate node of each row, or 0.
+        smallest = jnp.min(
+            jnp.where(is_candidate, nodes[None, :], num_nodes + 1), axis=1
+        )
+        return jnp.where(smallest > num_nodes, none, smallest).astype(jnp.int32)
+
+    every_node = jnp.arange(num_nodes + 1)[:, None]
+    first_child = first_of(in_walk[None, :] & (parents[None, :] == every_node))
+    own_parent = jnp.concatenate([jnp.array([-1]), parents])[:, None]
+    later = nodes[None, :] > every_node
+    next_sibling = first_of(in_walk[None, :] & (parents[None, :] == own_parent) & later)
+    return depth, first_child, next_sibling
