@@ -126,6 +126,8 @@ class AlwaysAccept(speculax.AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
         return jnp.ones(draft_tokens.shape, bool)
 
@@ -165,6 +167,8 @@ class UpperHalfAccept(speculax.AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
         return accept_uniforms >= 0.5
 

@@ -169,7 +169,15 @@ def test_swapping_a_custom_acceptance_changes_the_count():
         reads_draft_probs: ClassVar[bool] = False
         axis_name: ClassVar[None] = None
 
-        def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms):
+        def __call__(
+            self,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            *,
+            num_draft_tokens=None,
+        ):
             return jnp.ones(draft_tokens.shape, bool)
 
     inputs = {

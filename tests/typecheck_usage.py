@@ -32,6 +32,8 @@ class ThresholdAcceptance(speculax.AbstractAcceptance):
         draft_probs: Float[Array, "batch draft vocab"],
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Bool[Array, "batch draft"]:
         del accept_uniforms
         num_draft = draft_tokens.shape[1]
