@@ -6,13 +6,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._block import block_continuation, path_acceptance, scaled_excess
+from ._block import block_continuation, continuation_masses, path_acceptance
 from ._numerics import upcast
 from ._vocab_axis import (
     first_argmax_over_vocab,
     ordered_row_sums,
     probs_at_tokens,
-    vocab_offset,
 )
 
 
@@ -256,16 +255,14 @@ class BlockAcceptance(AbstractAcceptance):
             draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
         )
         # h_k for k = 1, ..., G - 1, from the rows at those positions.
-        inner = ratios[:, 1:num_draft]
-        target = upcast(target_probs[:, 1:num_draft])
-        vocab = target.shape[-1]
-        if draft_probs is None:
-            token = jnp.arange(vocab) + vocab_offset(vocab, self.axis_name)
-            draft = (token == draft_tokens[:, 1:, None]).astype(target.dtype)
-        else:
-            draft = upcast(draft_probs[:, 1:])
-        mass = ordered_row_sums(scaled_excess(inner, target, draft), self.axis_name)
-        continuing = block_continuation(mass, inner)
+        mass = continuation_masses(
+            ratios,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            axis_name=self.axis_name,
+        )
+        continuing = block_continuation(mass, ratios[:, 1:num_draft])
         # At a row's last draft position h is P_g itself.
         position = jnp.arange(num_draft)[None, :]
         last = num_draft if num_draft_tokens is None else num_draft_tokens

@@ -1,11 +1,13 @@
 """The numbers of block verification (Sun et al., 2025) that its pieces share. See
 `docs/keeping_more.md`."""
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._numerics import flush_subnormal
-from ._vocab_axis import probs_at_tokens
+from ._numerics import flush_subnormal, upcast
+from ._stopping_rows import summary_loops_over_rows
+from ._vocab_axis import ordered_row_sums, probs_at_tokens, vocab_offset
 
 
 def path_acceptance(
@@ -31,6 +33,21 @@ def path_acceptance(
     for i in range(draft_tokens.shape[1]):
         ratios.append(next_ratio(ratios[-1], target_at[:, i], draft_at[:, i]))
     return jnp.stack(ratios, axis=1)
+
+
+def stopping_ratio(
+    num_accepted: Int[Array, " batch"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    *,
+    axis_name: str | None,
+) -> Float[Array, " batch"]:
+    """$P_n$, the ratio the residual at the stopping position $n$ scales $p_n$ by."""
+    ratios = path_acceptance(
+        draft_tokens, draft_probs, target_probs, axis_name=axis_name
+    )
+    return jnp.take_along_axis(ratios, num_accepted[:, None], axis=1)[:, 0]
 
 
 def next_ratio(
@@ -68,3 +85,48 @@ def scaled_excess(
     counting as zero. With $P = 1$ the residual of token-by-token verification, to
     the last bit."""
     return flush_subnormal(jnp.maximum(scale[..., None] * target_row - draft_row, 0))
+
+
+def continuation_masses(
+    ratios: Float[Array, "batch positions"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    *,
+    axis_name: str | None,
+) -> Float[Array, "batch inner"]:
+    """$r_k = \\sum_v \\max(P_k \\, p_k(v) - q_k(v), 0)$ for $k = 1, \\dots, G - 1$,
+    summed in a fixed order (`ordered_row_sums`); $q_k$ is the one-hot of $x_k$
+    for deterministic drafts.
+
+    On CPU a loop over the batch, each row's $G - 1$ positions read in place: XLA
+    CPU materialises the batched form's `(B, G - 1, V)` excess and runs it twice as
+    slowly. Elsewhere the batched form, which a GPU runs in parallel.
+    """
+    batch, num_draft = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    offset = vocab_offset(vocab, axis_name)
+
+    def masses(ratio, target, draft, tokens):
+        # One batch row's or all of them: `ratio` (..., G - 1), rows (..., G - 1, V).
+        target = upcast(target)
+        if draft is None:
+            token = jnp.arange(vocab) + offset
+            draft = (token == tokens[..., None]).astype(target.dtype)
+        excess = scaled_excess(ratio, target, upcast(draft))
+        return ordered_row_sums(excess, axis_name)
+
+    inner = slice(1, num_draft)
+    if not summary_loops_over_rows(target_probs, draft_probs) or batch == 0:
+        draft = None if draft_probs is None else draft_probs[:, inner]
+        return masses(
+            ratios[:, inner], target_probs[:, inner], draft, draft_tokens[:, inner]
+        )
+
+    def one_row(b):
+        draft = None if draft_probs is None else draft_probs[b, inner]
+        return masses(
+            ratios[b, inner], target_probs[b, inner], draft, draft_tokens[b, inner]
+        )
+
+    return jax.lax.map(one_row, jnp.arange(batch))

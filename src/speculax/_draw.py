@@ -4,9 +4,10 @@ one pass when they are the default pair."""
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._block import stopping_ratio
 from ._failures import Failure, overflow_failure, stopping_row_failures
 from ._numerics import BLOCK_SIZE, upcast
-from ._residual import AbstractResidual, Residual, TargetRow
+from ._residual import AbstractResidual, BlockResidual, Residual, TargetRow
 from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
 from ._stopping_rows import stopping_row_summary
 from ._vocab_axis import first_argmax_over_vocab
@@ -27,14 +28,15 @@ def draw_token(
     """Draws the token at each row's stopping position $n$, and returns it with the
     value checks of the rows it was drawn from (none unless `check_values`).
 
-    **The default pair runs fused.** With exactly [`speculax.Residual`][] and
-    [`speculax.InverseCDF`][] (final classes, so nothing else can change what they
-    compute), one pass over the rows $p_n$ and $q_n$ yields the block sums of the
-    weights (`stopping_row_summary`), and the sampler reads one chosen block of each
-    row again (`sample_residual`): no `(batch, vocab)` weights are made. For
-    deterministic drafts (`draft_probs=None`) $q_n$ is the one-hot of $x_n$, made in
-    the pass, so $p_n$ is the only row read. The value checks read the same pass's
-    row totals.
+    **The default pair runs fused.** With exactly [`speculax.Residual`][] (or
+    [`speculax.BlockResidual`][], whose weights are the same with $p_n$ scaled by
+    $P_n$) and [`speculax.InverseCDF`][] (final classes, so nothing else can change
+    what they compute), one pass over the rows $p_n$ and $q_n$ yields the block
+    sums of the weights (`stopping_row_summary`), and the sampler reads one chosen
+    block of each row again (`sample_residual`): no `(batch, vocab)` weights are
+    made. For deterministic drafts (`draft_probs=None`) $q_n$ is the one-hot of
+    $x_n$, made in the pass, so $p_n$ is the only row read. The value checks read
+    the same pass's row totals.
 
     **Greedy verification reads each target row once.** With exactly
     [`speculax.TargetRow`][] and [`speculax.Argmax`][] the token is the argmax of
@@ -54,7 +56,16 @@ def draw_token(
     The drawn tokens, int32 `(batch,)` (`-1` where nothing can be drawn), and the
     checks of the stopping rows, in the order they are reported.
     """
-    if type(residual) is Residual and type(sampler) is InverseCDF:
+    if type(residual) in (Residual, BlockResidual) and type(sampler) is InverseCDF:
+        scale = None
+        if type(residual) is BlockResidual:
+            scale = stopping_ratio(
+                num_accepted,
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                axis_name=residual.axis_name,
+            )
         summary = stopping_row_summary(
             num_accepted,
             draft_probs,
@@ -63,6 +74,7 @@ def draw_token(
             num_draft_tokens=num_draft_tokens,
             draft_tokens=draft_tokens,
             axis_name=sampler.axis_name,
+            scale=scale,
         )
         failures = []
         if check_values:

@@ -5,7 +5,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._block import path_acceptance, scaled_excess
+from ._block import scaled_excess, stopping_ratio
 from ._numerics import upcast
 from ._stopping_rows import stopping_rows
 from ._vocab_axis import any_over_vocab, vocab_offset
@@ -124,6 +124,8 @@ class BlockResidual(AbstractResidual):
     drafts, ragged batches and weights without mass are the same too.
 
     Reads the rows $p_n$ and $q_n$, and $p_i(x_i)$ and $q_i(x_i)$ for $i < n$.
+    Paired with [`speculax.InverseCDF`][] in a step, it runs fused with it, as
+    [`speculax.Residual`][] does.
 
     **Arguments:**
 
@@ -143,10 +145,13 @@ class BlockResidual(AbstractResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None = None,
     ) -> Float[Array, "batch vocab"]:
-        ratios = path_acceptance(
-            draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
+        scale = stopping_ratio(
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            axis_name=self.axis_name,
         )
-        scale = jnp.take_along_axis(ratios, num_accepted[:, None], axis=1)[:, 0]
         return residual_weights(
             scale,
             num_accepted,

@@ -74,6 +74,7 @@ class RowSummary(eqx.Module):
     draft_probs: Float[Array, "batch draft vocab"] | None
     target_probs: Float[Array, "batch positions vocab"]
     rejected: Int[Array, " batch"] | None
+    scale: Float[Array, " batch"] | None
     block_size: int = eqx.field(static=True)
 
 
@@ -87,6 +88,7 @@ def stopping_row_summary(
     draft_tokens: Int[Array, "batch draft"] | None = None,
     per_row: bool | None = None,
     axis_name: str | None = None,
+    scale: Float[Array, " batch"] | None = None,
 ) -> RowSummary:
     """The block sums of the weights the step draws from, $\\max(p_n - q_n, 0)$ or
     $p_n$, in one pass over the two rows, reading nothing else.
@@ -146,6 +148,7 @@ def stopping_row_summary(
             draft_probs,
             target_probs,
             rejected,
+            scale,
             block_size,
             per_row,
         )
@@ -198,6 +201,7 @@ def stopping_row_summary(
         draft_probs,
         target_probs,
         rejected,
+        scale,
         block_size,
     )
 
@@ -228,7 +232,8 @@ def block_weights(
         draft = draft_probs[rows, jnp.minimum(stop, num_draft - 1), token]
     elif summary.rejected is not None:
         draft = (token == summary.rejected[:, None]).astype(target.dtype)
-    weights = _weights(target, draft, summary.subtracting[:, None])
+    scale = None if summary.scale is None else summary.scale[:, None]
+    weights = _weights(target, draft, summary.subtracting[:, None], scale)
     return jnp.where(inside, weights, 0)
 
 
@@ -236,15 +241,18 @@ def _weights(
     target: Float[Array, "*shape"],
     draft: Float[Array, "*shape"] | None,
     subtracting: Bool[Array, "..."] | None,
+    scale: Float[Array, "..."] | None,
 ) -> Float[Array, "*shape"]:
-    """$\\max(p_n - q_n, 0)$ where `subtracting` (which broadcasts against the rows),
-    else $p_n$, upcast; $p_n$ alone without a draft.
+    """$\\max(P_n \\, p_n - q_n, 0)$ where `subtracting` (which broadcasts against the
+    rows, as `scale` does; `None` for $P_n = 1$), else $p_n$, upcast; $p_n$ alone
+    without a draft.
     """
     target = upcast(target)
     if draft is None or subtracting is None:
         return target
+    scaled = target if scale is None else scale * target
     # A difference of two normal numbers can be subnormal: it counts as zero too.
-    excess = flush_subnormal(jnp.maximum(target - upcast(draft), 0))
+    excess = flush_subnormal(jnp.maximum(scaled - upcast(draft), 0))
     return jnp.where(subtracting, excess, target)
 
 
@@ -254,6 +262,7 @@ def _row_block_sums(
     draft_probs: Float[Array, "batch draft vocab"] | None,
     target_probs: Float[Array, "batch positions vocab"],
     rejected: Int[Array, " batch"] | None,
+    scale: Float[Array, " batch"] | None,
     block_size: int,
     per_row: bool,
 ) -> Float[Array, "batch blocks"]:
@@ -268,9 +277,10 @@ def _row_block_sums(
 
     lanes = summation_lanes(per_row)
 
-    def block_sums(target_row, draft_row, subtracting):
-        # Works on (..., vocab) rows; `subtracting` broadcasts against them.
-        x = _weights(target_row, draft_row, subtracting)
+    def block_sums(target_row, draft_row, subtracting, scale):
+        # Works on (..., vocab) rows; `subtracting` and `scale` broadcast against
+        # them.
+        x = _weights(target_row, draft_row, subtracting, scale)
         if draft_row is not None:
             x = jnp.where(subtracting & _invalid(draft_row), -jnp.inf, x)
         x = jnp.where(_invalid(target_row), jnp.nan, x)
@@ -291,14 +301,20 @@ def _row_block_sums(
             elif rejected is not None:
                 draft_row = _one_hot(rejected[b], vocab, target_row.dtype)
             else:
-                return block_sums(target_row, None, None)
-            return block_sums(target_row, draft_row, subtracting[b])
+                return block_sums(target_row, None, None, None)
+            row_scale = None if scale is None else scale[b]
+            return block_sums(target_row, draft_row, subtracting[b], row_scale)
 
         return jax.lax.map(one_row, jnp.arange(batch, dtype=jnp.int32))
     target_row, draft_row = stopping_rows(
         num_accepted, draft_probs, target_probs, rejected
     )
-    return block_sums(target_row, draft_row, subtracting[:, None])
+    return block_sums(
+        target_row,
+        draft_row,
+        subtracting[:, None],
+        None if scale is None else scale[:, None],
+    )
 
 
 def summation_lanes(per_row: bool) -> int:
