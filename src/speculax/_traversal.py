@@ -25,26 +25,35 @@ from ._vocab_axis import ordered_row_sums
 
 
 @final
-class _Traversal(eqx.Module):
-    """One row's traversal between two events. Arrays indexed by depth describe the
-    path from the root to `node`: only its nodes can have lost children."""
+class _Position(eqx.Module):
+    """Where one row's traversal stands, and what it knows of the path to there:
+    arrays indexed by depth describe the path from the root to `node`, whose nodes
+    alone can have lost children."""
 
     node: Int[Array, ""]
     # Whether `node` is next to be tested (every child it had is gone), rather than
-    # entered.
+    # entered; and whether it was tested and failed, its deletion pending.
     testing: Bool[Array, ""]
+    failed: Bool[Array, ""]
     done: Bool[Array, ""]
     path: Int[Array, " levels"]
     # alpha of each node on the path: the probability of keeping the path to it.
     ratio: Float[Array, " levels"]
-    # Whether the path's node at a depth has lost a child, and then what its lost
-    # children left: the target unnormalised, with its mass, the draft normalised.
+    # Whether the path's node at a depth has lost a child.
     updated: Bool[Array, " depth"]
+    bad_target: Bool[Array, ""]
+    bad_draft: Bool[Array, ""]
+
+
+@final
+class _Left(eqx.Module):
+    """What the lost children of the path's nodes left, by depth: the target
+    unnormalised, with its mass, the draft normalised; and what the rows read for
+    them showed."""
+
     target: Float[Array, "depth vocab"]
     target_mass: Float[Array, " depth"]
     draft: Float[Array, "depth vocab"]
-    bad_target: Bool[Array, ""]
-    bad_draft: Bool[Array, ""]
     bad_target_row: Bool[Array, ""]
     bad_draft_row: Bool[Array, ""]
     overflow: Bool[Array, ""]
@@ -56,9 +65,10 @@ class TraversalStep(AbstractTreeStep):
     (Weng et al., 2025): the nodes are visited deepest first, and a node is kept
     with the probability $\\alpha$ of keeping the whole path from the root to it,
     not child by child. Lossless when the sibling rule matches how the children
-    were drawn, and it keeps at least as many tokens in expectation as
-    [`speculax.TreeStep`][]'s recursive rejection sampling on the same trees; on a
-    chain it is [`speculax.block_step`][], to the last bit.
+    were drawn. On a chain it is [`speculax.block_step`][], to the last bit, and
+    never keeps fewer tokens than the chain step; on trees it usually keeps more
+    than [`speculax.TreeStep`][]'s recursive rejection sampling, but not on every
+    tree (`docs/keeping_more.md` has a tree where it keeps 5% fewer).
 
     The root has $\\alpha = 1$, and a node $c$ with parent $u$ has
     $\\alpha(c) = \\min(1, \\alpha(u) \\, p_u(c) / q_u(c))$, computed when the walk
@@ -126,149 +136,178 @@ class TraversalStep(AbstractTreeStep):
         def token_of(node):
             return jnp.clip(tree_tokens[b, node - 1], 0, vocab - 1)
 
-        def event(_, state: _Traversal) -> _Traversal:
-            return jax.lax.cond(
-                state.done,
-                lambda s: s,
-                lambda s: jax.lax.cond(s.testing, test, enter, s),
-                state,
-            )
+        def advance(position: _Position) -> _Position:
+            """Enters nodes and tests them until a test fails or the walk is done.
+            Every node entered here has a parent that has lost no child (only the
+            first sibling after a deletion does, and `delete` enters it), so only
+            the inputs are read: the loop carries no row."""
 
-        def enter(state: _Traversal) -> _Traversal:
-            child = state.node
-            at_depth = depth[child]
-            parent_depth = at_depth - 1
-            parent = state.path[parent_depth]
+            def going(position: _Position) -> Bool[Array, ""]:
+                return ~position.done & ~position.failed
+
+            def event(position: _Position) -> _Position:
+                return jax.lax.cond(position.testing, test, enter_fresh, position)
+
+            return jax.lax.while_loop(going, event, position)
+
+        def enter_fresh(position: _Position) -> _Position:
+            child = position.node
+            parent = position.path[depth[child] - 1]
             token = token_of(child)
+            raw_target, raw_draft = raw_at(parent, token)
+            return enter(position, raw_target, raw_draft, raw_target, raw_draft)
+
+        def raw_at(parent, token):
+            """The parent's rows as given, at the child's token."""
             raw_target = upcast(target_probs[b, parent, token])
-            updated = state.updated[parent_depth]
-            target_at = jnp.where(
-                updated,
-                state.target[parent_depth, token] / state.target_mass[parent_depth],
-                raw_target,
-            )
             if draft_probs is None:
-                raw_draft = jnp.ones((), dtype)
-                draft_at = raw_draft
-            else:
-                raw_draft = upcast(draft_probs[b, parent, token])
-                draft_at = jnp.where(
-                    updated, state.draft[parent_depth, token], raw_draft
-                )
-            ratio = next_ratio(state.ratio[parent_depth], target_at, draft_at)
+                return raw_target, jnp.ones((), dtype)
+            return raw_target, upcast(draft_probs[b, parent, token])
+
+        def enter(position, target_at, draft_at, raw_target, raw_draft) -> _Position:
+            """Enters `position.node` from its parent, whose current distributions
+            give the node's token `target_at` and `draft_at` (`raw_target` and
+            `raw_draft` as given, for the checks)."""
+            child = position.node
+            at_depth = depth[child]
+            ratio = next_ratio(position.ratio[at_depth - 1], target_at, draft_at)
             first = first_child[child]
             return eqx.tree_at(
-                lambda s: (
-                    s.node,
-                    s.testing,
-                    s.path,
-                    s.ratio,
-                    s.updated,
-                    s.bad_target,
-                    s.bad_draft,
+                lambda p: (
+                    p.node,
+                    p.testing,
+                    p.path,
+                    p.ratio,
+                    p.updated,
+                    p.bad_target,
+                    p.bad_draft,
                 ),
-                state,
+                position,
                 (
                     jnp.where(first > 0, first, child),
                     first == 0,
-                    state.path.at[at_depth].set(child),
-                    state.ratio.at[at_depth].set(ratio),
+                    position.path.at[at_depth].set(child),
+                    position.ratio.at[at_depth].set(ratio),
                     # Out of range (a leaf at max_depth) drops the update.
-                    state.updated.at[at_depth].set(False, mode="drop"),
-                    state.bad_target | not_a_probability(raw_target),
-                    state.bad_draft | not_a_probability(raw_draft),
+                    position.updated.at[at_depth].set(False, mode="drop"),
+                    position.bad_target | not_a_probability(raw_target),
+                    position.bad_draft | not_a_probability(raw_draft),
                 ),
             )
 
-        def test(state: _Traversal) -> _Traversal:
-            node = state.node
+        def test(position: _Position) -> _Position:
+            node = position.node
             index = jnp.maximum(node - 1, 0)
-            passed = (node == 0) | (
-                accept_uniforms[b, index] < state.ratio[depth[node]]
+            ratio = position.ratio[depth[node]]
+            passed = (node == 0) | (accept_uniforms[b, index] < ratio)
+            return eqx.tree_at(
+                lambda p: (p.done, p.failed), position, (passed, ~passed)
             )
-            return jax.lax.cond(passed, _finish, reject, state)
 
-        def reject(state: _Traversal) -> _Traversal:
-            node = state.node
+        def delete(position: _Position, left: _Left) -> tuple[_Position, _Left]:
+            """Deletes the node that failed its test, updates its parent, and
+            enters the next sibling, if any, from the updated parent."""
+            node = position.node
             parent_depth = depth[node] - 1
-            parent = state.path[parent_depth]
+            parent = position.path[parent_depth]
             token = token_of(node)
-            updated = state.updated[parent_depth]
+            updated = position.updated[parent_depth]
             own_target = row(target_probs, parent)
             if draft_probs is None:
                 own_draft = (jnp.arange(vocab) == token).astype(dtype)
                 draft = own_draft
             else:
                 own_draft = row(draft_probs, parent)
-                draft = jnp.where(updated, state.draft[parent_depth], own_draft)
+                draft = jnp.where(updated, left.draft[parent_depth], own_draft)
             target = jnp.where(
                 updated,
-                state.target[parent_depth] / state.target_mass[parent_depth],
+                left.target[parent_depth] / left.target_mass[parent_depth],
                 own_target,
             )
-            ratio = state.ratio[parent_depth]
-            left, draft = self.siblings(ratio * target, draft, token)
+            ratio = position.ratio[parent_depth]
+            excess, draft = self.siblings(ratio * target, draft, token)
             # A difference of two normal numbers can be subnormal: it counts as zero.
-            left = flush_subnormal(left)
-            mass = ordered_row_sums(left, None)
+            excess = flush_subnormal(excess)
+            mass = ordered_row_sums(excess, None)
             ratio = block_continuation(mass, ratio)
-            fallback = mass == 0
-            left = jnp.where(fallback, own_target, left)
-            mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
+            excess, mass = jax.lax.cond(
+                mass == 0,
+                lambda: (own_target, ordered_row_sums(own_target, None)),
+                lambda: (excess, mass),
+            )
             draft_mass = ordered_row_sums(draft, None)
             draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+            position = eqx.tree_at(
+                lambda p: (p.node, p.testing, p.failed, p.ratio, p.updated),
+                position,
+                (
+                    parent,
+                    jnp.array(True),
+                    jnp.array(False),
+                    position.ratio.at[parent_depth].set(ratio),
+                    position.updated.at[parent_depth].set(True),
+                ),
+            )
             sibling = next_sibling[node]
+            sibling_token = token_of(sibling)
+            raw_target, raw_draft = raw_at(parent, sibling_token)
+            draft_at = 1 if draft_probs is None else draft[sibling_token]
+            entered = enter(
+                eqx.tree_at(lambda p: (p.node, p.testing), position, (sibling, False)),
+                excess[sibling_token] / mass,
+                draft_at,
+                raw_target,
+                raw_draft,
+            )
+            position = jax.tree.map(
+                lambda a, b: jnp.where(sibling > 0, a, b), entered, position
+            )
             # The node's rows as given are checked whole when it first loses a
             # child: a bad value anywhere in them would reach the draw.
             first = ~updated
-            return eqx.tree_at(
-                lambda s: (
-                    s.node,
-                    s.testing,
-                    s.ratio,
-                    s.updated,
-                    s.target,
-                    s.target_mass,
-                    s.draft,
-                    s.bad_target_row,
-                    s.bad_draft_row,
-                    s.overflow,
-                ),
-                state,
-                (
-                    jnp.where(sibling > 0, sibling, parent),
-                    sibling == 0,
-                    state.ratio.at[parent_depth].set(ratio),
-                    state.updated.at[parent_depth].set(True),
-                    state.target.at[parent_depth].set(left),
-                    state.target_mass.at[parent_depth].set(mass),
-                    state.draft.at[parent_depth].set(draft),
-                    state.bad_target_row
-                    | (first & jnp.any(not_a_probability(own_target))),
-                    state.bad_draft_row
-                    | (first & jnp.any(not_a_probability(own_draft))),
-                    state.overflow | jnp.isinf(mass),
-                ),
+            left = _Left(
+                target=left.target.at[parent_depth].set(excess),
+                target_mass=left.target_mass.at[parent_depth].set(mass),
+                draft=left.draft.at[parent_depth].set(draft),
+                bad_target_row=left.bad_target_row
+                | (first & jnp.any(not_a_probability(own_target))),
+                bad_draft_row=left.bad_draft_row
+                | (first & jnp.any(not_a_probability(own_draft))),
+                overflow=left.overflow | jnp.isinf(mass),
             )
+            return position, left
+
+        def delete_and_advance(state: tuple[_Position, _Left]):
+            position, left = delete(*state)
+            return advance(position), left
 
         root_child = first_child[0]
-        initial = _Traversal(
+        position = _Position(
             node=jnp.where(root_child > 0, root_child, 0),
             testing=root_child == 0,
+            failed=jnp.array(False),
             done=jnp.array(False),
             path=jnp.zeros((max_depth + 1,), jnp.int32),
             ratio=jnp.ones((max_depth + 1,), dtype),
             updated=jnp.zeros((max_depth,), bool),
+            bad_target=jnp.array(False),
+            bad_draft=jnp.array(False),
+        )
+        left = _Left(
             target=jnp.zeros((max_depth, vocab), dtype),
             target_mass=jnp.ones((max_depth,), dtype),
             draft=jnp.zeros((max_depth, vocab), dtype),
-            bad_target=jnp.array(False),
-            bad_draft=jnp.array(False),
             bad_target_row=jnp.array(False),
             bad_draft_row=jnp.array(False),
             overflow=jnp.array(False),
         )
-        final = jax.lax.fori_loop(0, 2 * num_nodes + 1, event, initial)
+        # One deletion per iteration, the rows outside any branch and the inner
+        # loop: XLA CPU copies the (max_depth, V) arrays into every branch.
+        final, left = jax.lax.while_loop(
+            lambda state: ~state[0].done,
+            delete_and_advance,
+            (advance(position), left),
+        )
         end = final.node
         end_depth = depth[end]
         on_path = jnp.arange(max_depth + 1) < end_depth
@@ -299,21 +338,17 @@ class TraversalStep(AbstractTreeStep):
                 end,
                 end_depth,
                 updated,
-                final.target[kept],
-                final.target_mass[kept],
+                left.target[kept],
+                left.target_mass[kept],
                 path_tokens.astype(jnp.int32),
                 path_nodes,
                 final.bad_target,
                 final.bad_draft,
-                final.bad_target_row,
-                final.bad_draft_row,
-                final.overflow,
+                left.bad_target_row,
+                left.bad_draft_row,
+                left.overflow,
             ),
         )
-
-
-def _finish(state: _Traversal) -> _Traversal:
-    return eqx.tree_at(lambda s: s.done, state, jnp.array(True))
 
 
 def _tree_links(
