@@ -174,6 +174,10 @@ def variants() -> dict:
         "bfloat16": (speculax.SpeculativeStep(), half),
         "check_all_probs": (speculax.SpeculativeStep(check_all_probs=True), base),
         "throw=False": (speculax.SpeculativeStep(throw=False), with_bad_rows()),
+        "block": (
+            speculax.block_step(),
+            {**base, "num_draft_tokens": np.array([3, 0, 1, 2, 3, 1, 0, 2])},
+        ),
     }
 
 
@@ -245,7 +249,7 @@ def check_variants(devices: np.ndarray) -> dict:
                 on_axis(step, "vocab"), mesh, batch_axis="data", vocab_axis="vocab"
             )
             entry = {"identical": same(f(**args), reference)}
-            if name in ("default", "greedy", "typical", "check_all_probs"):
+            if name in ("default", "greedy", "typical", "check_all_probs", "block"):
                 hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
                 sizes = {VOCAB, VOCAB // shape[1]}
                 entry["large_collectives"] = large_collectives(hlo, sizes)

@@ -29,9 +29,10 @@ VARIANTS = [
     "bfloat16",
     "check_all_probs",
     "throw=False",
+    "block",
 ]
 # The variants whose compiled program is searched for large collectives.
-INSPECTED = ["default", "greedy", "typical", "check_all_probs"]
+INSPECTED = ["default", "greedy", "typical", "check_all_probs", "block"]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,16 @@ And one for trees:
     draft row. The baseline is the same walk written the obvious way, vectorised over
     the batch, every node updating `(B, V)` arrays by `jnp.where`; the floor reads
     the target and draft rows of one root-to-leaf path per tree.
+
+Two measure what keeping more tokens costs, against the rule it replaces as the
+baseline (a ratio below 1: the baseline is the cheaper one):
+
+- **block**: `block_step()`, whose test reads every row, against the default
+    token-by-token step; the floor is one flat sum over all of `draft_probs` and
+    `target_probs`, which block verification must read.
+- **traversal**: `TraversalStep(max_depth=...)` on the tree variant's trees, with
+    `max_depth` their depth, against `TreeStep()`; the floor is the tree
+    variant's.
 """
 
 import dataclasses
@@ -40,7 +50,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._step import SpeculativeStep, greedy_step
+from ._step import SpeculativeStep, block_step, greedy_step
+from ._traversal import TraversalStep
 from ._tree import TreeStep
 
 
@@ -87,7 +98,8 @@ class Size:
         return text if self.variant == "default" else f"{text}:{self.variant}"
 
 
-VARIANTS = ("default", "deterministic", "greedy", "tree")
+VARIANTS = ("default", "deterministic", "greedy", "tree", "block", "traversal")
+TREE_VARIANTS = ("tree", "traversal")
 
 
 DEFAULT_SIZES = (
@@ -99,6 +111,8 @@ DEFAULT_SIZES = (
     Size(64, 5, 128256, variant="deterministic"),
     Size(64, 5, 128256, variant="greedy"),
     Size(8, 60, 128256, variant="tree"),
+    Size(64, 5, 128256, variant="block"),
+    Size(8, 60, 128256, variant="traversal"),
 )
 
 
@@ -320,15 +334,13 @@ def _functions(
 ) -> tuple[Callable, tuple, Callable, tuple, tuple]:
     """The step, the baseline and the floor of a size's variant, each with its
     arguments."""
-    if size.variant == "tree":
-        path = jnp.asarray(_root_to_leaf(eagle_tree(size.num_draft)))
-        return (
-            TreeStep(),
-            inputs,
-            baseline_tree_step,
-            inputs,
-            (inputs[3][:, path], inputs[2][:, path]),
-        )
+    if size.variant in TREE_VARIANTS:
+        path = _root_to_leaf(eagle_tree(size.num_draft))
+        path_rows = (inputs[3][:, jnp.asarray(path)], inputs[2][:, jnp.asarray(path)])
+        if size.variant == "traversal":
+            depth = len(path) - 1
+            return TraversalStep(max_depth=depth), inputs, TreeStep(), inputs, path_rows
+        return TreeStep(), inputs, baseline_tree_step, inputs, path_rows
     draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = inputs
     row_copies = (target_probs[:, 0], draft_probs[:, 0])
     if size.variant == "deterministic":
@@ -349,6 +361,9 @@ def _functions(
             (draft_tokens, target_probs),
             (target_probs,),
         )
+    if size.variant == "block":
+        every_row = (draft_probs, target_probs)
+        return block_step(), inputs, SpeculativeStep(), inputs, every_row
     return SpeculativeStep(), inputs, baseline_step, inputs, row_copies
 
 
@@ -383,9 +398,10 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     A dict with the size, `baseline_ms`, `speculax_ms`, `floor_ms`, `speedup`
     (baseline over speculax), `over_floor` (speculax over floor), `temp_bytes` and
     `compile_s` of the default step, and `temp_limit_bytes` ($2 B V \\cdot 4$ bytes plus
-    1 MiB; $4 B V \\cdot 4$ for the tree variant).
+    1 MiB; $4 B V \\cdot 4$ for the tree variants).
     """
-    inputs = (make_tree_inputs if size.variant == "tree" else make_inputs)(size, seed)
+    tree = size.variant in TREE_VARIANTS
+    inputs = (make_tree_inputs if tree else make_inputs)(size, seed)
     step_fn, step_args, baseline_fn, baseline_args, rows = _functions(size, inputs)
     # Copies, so that the floor reads contiguous arrays.
     rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))
@@ -429,13 +445,9 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
         "speedup": ms["baseline"] / ms["speculax"],
         "over_floor": ms["speculax"] / ms["floor"],
         "temp_bytes": temp_bytes,
-        # The tree step keeps each row's two V-wide distributions and draws from a
+        # The tree steps keep each row's two V-wide distributions and draw from a
         # third: a few (B, V) rows, where the chain step needs at most two.
-        "temp_limit_bytes": (4 if size.variant == "tree" else 2)
-        * size.batch
-        * size.vocab
-        * 4
-        + 2**20,
+        "temp_limit_bytes": (4 if tree else 2) * size.batch * size.vocab * 4 + 2**20,
         "compile_s": compile_s,
     }
 
