@@ -92,6 +92,18 @@ def test_block_keeps_the_pair_as_often_as_the_target_allows():
     assert block.reach_probs[1] == pytest.approx(0.6, abs=1e-15)
 
 
+def test_the_papers_motivating_example():
+    """Sun et al.'s example: over {a, b} the draft model gives a 2/3 and the target
+    b 2/3, independently of the context, and G = 2. Token by token keeps 10/9
+    tokens in expectation, block verification 11/9."""
+    q = np.array([[2 / 3, 1 / 3]] * 2)
+    p = np.array([[1 / 3, 2 / 3]] * 3)
+    block = speculax.testing.output_distribution(BLOCK, q, p)
+    token_by_token = speculax.testing.output_distribution(TOKEN_BY_TOKEN, q, p)
+    assert expected_accepted(token_by_token) == pytest.approx(10 / 9, abs=1e-15)
+    assert expected_accepted(block) == pytest.approx(11 / 9, abs=1e-15)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_deterministic_drafts_keep_exactly_as_many_tokens(seed):
     """With q_i the one-hot of x_i, P(n >= k) is the product of p_i(x_i) both ways:
@@ -153,18 +165,21 @@ def test_a_ragged_row_is_the_row_alone_with_its_own_draft_length():
     padded = {**inputs, "draft_tokens": inputs["draft_tokens"].copy()}
     for b, length in enumerate(lengths):
         padded["draft_tokens"][b, length:] = -1
-    ragged = BLOCK(**padded, num_draft_tokens=lengths)
-    for b, length in enumerate(lengths):
-        alone = BLOCK(
-            draft_tokens=inputs["draft_tokens"][b : b + 1, :length],
-            draft_probs=inputs["draft_probs"][b : b + 1, :length],
-            target_probs=inputs["target_probs"][b : b + 1, : length + 1],
-            accept_uniforms=inputs["accept_uniforms"][b : b + 1, :length],
-            sample_uniforms=inputs["sample_uniforms"][b : b + 1],
+    ragged = _jitted(BLOCK)(**padded, num_draft_tokens=lengths)
+    for length in range(5):
+        rows = np.flatnonzero(lengths == length)
+        alone = _jitted(BLOCK)(
+            draft_tokens=inputs["draft_tokens"][rows, :length],
+            draft_probs=inputs["draft_probs"][rows, :length],
+            target_probs=inputs["target_probs"][rows, : length + 1],
+            accept_uniforms=inputs["accept_uniforms"][rows, :length],
+            sample_uniforms=inputs["sample_uniforms"][rows],
         )
-        assert ragged["num_accepted"][b] == alone["num_accepted"][0]
         np.testing.assert_array_equal(
-            ragged["tokens"][b, : length + 1], alone["tokens"][0]
+            ragged["num_accepted"][rows], alone["num_accepted"]
+        )
+        np.testing.assert_array_equal(
+            ragged["tokens"][rows, : length + 1], alone["tokens"]
         )
 
 
