@@ -7,8 +7,8 @@ sampling on realistic sizes. Prints four Markdown tables, for
 Each draft distribution is a perturbed copy of its target, $q = \\mathrm{softmax}(\\log
 p + \\sigma \\varepsilon)$ with $\\varepsilon$ standard normal, and the drafts are
 sampled from $q$. The sampled tables feed both steps the same rows, draft tokens and
-uniforms, and report the paired difference; $\\pm$ is one standard error. About two
-minutes on two CPU cores (needs matplotlib, in the `docs` extra):
+uniforms, and report the paired difference; $\\pm$ is one standard error. About a
+minute and a half on two CPU cores (needs matplotlib, in the `docs` extra):
 
     python scripts/verification_gain.py [--vocab 4096] [--tree-vocab 1024]
         [--rows 2000] [--tree-rows 1000] [--draws 16]

@@ -6,13 +6,13 @@ import speculax
 
 
 class DelegatingResidual(speculax.AbstractResidual):
-    """The default residual's weights, from a piece the step does not know: the step
-    runs it on the generic path, the sampler reading the weights as a
-    `(batch, vocab)` array, which must agree with the default pair's fused path.
-    Splits the vocabulary where its inner residual does."""
+    """A residual's weights, from a piece the step does not know: the step runs it
+    on the generic path, the sampler reading the weights as a `(batch, vocab)`
+    array, which must agree with the fused path of the residual inside (by default
+    `Residual`). Splits the vocabulary where its inner residual does."""
 
     reads_draft_probs: ClassVar[bool] = True
-    inner: speculax.Residual = speculax.Residual()
+    inner: speculax.Residual | speculax.BlockResidual = speculax.Residual()
 
     @property
     def axis_name(self) -> str | None:

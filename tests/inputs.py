@@ -95,3 +95,30 @@ def random_row(
             x[np.arange(len(x)), rng.integers(vocab, size=len(x))] += rng.random(len(x))
             x /= x.sum(axis=-1, keepdims=True)
     return q, p
+
+
+def close_drafts(
+    seed: int,
+    batch: int,
+    num_draft: int,
+    vocab: int,
+    sigma: float = 0.5,
+    dtype=np.float32,
+) -> dict[str, np.ndarray]:
+    """`random_inputs` whose drafts are a perturbed copy of the target, each $q_i$
+    proportional to $p_i e^{\\sigma z}$ with $z$ standard normal, and the draft
+    tokens sampled from them: long blocks are kept, and every kind of block seen."""
+    inputs = random_inputs(seed, batch, num_draft, vocab)
+    rng = np.random.default_rng(seed)
+    target = inputs["target_probs"].astype(np.float64)
+    draft = target[:, :num_draft] * np.exp(
+        sigma * rng.standard_normal(target[:, :num_draft].shape)
+    )
+    draft /= draft.sum(-1, keepdims=True)
+    cumulative = np.cumsum(draft, axis=-1)
+    uniform = rng.random((batch, num_draft, 1))
+    tokens = np.minimum((cumulative < uniform).sum(-1), vocab - 1)
+    inputs.update(draft_tokens=tokens, draft_probs=draft, target_probs=target)
+    for name in ("draft_probs", "target_probs", "accept_uniforms", "sample_uniforms"):
+        inputs[name] = inputs[name].astype(dtype)
+    return inputs

@@ -13,7 +13,8 @@ import pytest
 
 import speculax
 import speculax.testing
-from inputs import random_inputs, random_row
+from doubles import DelegatingResidual
+from inputs import close_drafts, random_row
 
 
 BLOCK = speculax.block_step()
@@ -126,22 +127,8 @@ def _jitted(step):
     return eqx.filter_jit(step)
 
 
-def _close_inputs(seed: int, batch: int, num_draft: int, vocab: int):
-    """Drafts close to the target, so that long blocks are kept."""
-    inputs = random_inputs(seed, batch, num_draft, vocab)
-    rng = np.random.default_rng(seed)
-    target = inputs["target_probs"]
-    noise = np.exp(0.5 * rng.standard_normal(target[:, :num_draft].shape))
-    draft = target[:, :num_draft] * noise
-    inputs["draft_probs"] = (draft / draft.sum(-1, keepdims=True)).astype(np.float32)
-    cumulative = np.cumsum(inputs["draft_probs"], axis=-1)
-    uniform = rng.random((batch, num_draft, 1))
-    inputs["draft_tokens"] = np.minimum((cumulative < uniform).sum(-1), vocab - 1)
-    return inputs
-
-
 def test_deterministic_drafts_are_the_one_hot_drafts():
-    inputs = _close_inputs(0, 32, 4, 300)
+    inputs = close_drafts(0, 32, 4, 300)
     one_hot = np.eye(300, dtype=np.float32)[inputs["draft_tokens"]]
     with_one_hot = _jitted(BLOCK)(**{**inputs, "draft_probs": one_hot})
     without = _jitted(BLOCK)(**{**inputs, "draft_probs": None})
@@ -150,7 +137,7 @@ def test_deterministic_drafts_are_the_one_hot_drafts():
 
 
 def test_row_alone_equals_row_in_batch():
-    inputs = _close_inputs(1, 16, 4, 1000)
+    inputs = close_drafts(1, 16, 4, 1000)
     batched = _jitted(BLOCK)(**inputs)
     assert 1 < np.mean(batched["num_accepted"]) < 4
     for b in range(16):
@@ -160,11 +147,14 @@ def test_row_alone_equals_row_in_batch():
 
 
 def test_a_ragged_row_is_the_row_alone_with_its_own_draft_length():
-    inputs = _close_inputs(2, 8, 4, 300)
+    inputs = close_drafts(2, 8, 4, 300)
     lengths = np.array([0, 1, 2, 3, 4, 2, 1, 3])
-    padded = {**inputs, "draft_tokens": inputs["draft_tokens"].copy()}
+    padded = {name: value.copy() for name, value in inputs.items()}
     for b, length in enumerate(lengths):
+        # Padding past a row's length may hold anything: the test reads none of it.
         padded["draft_tokens"][b, length:] = -1
+        padded["draft_probs"][b, length:] = np.nan
+        padded["target_probs"][b, length + 1 :] = np.nan
     ragged = _jitted(BLOCK)(**padded, num_draft_tokens=lengths)
     for length in range(5):
         rows = np.flatnonzero(lengths == length)
@@ -181,6 +171,27 @@ def test_a_ragged_row_is_the_row_alone_with_its_own_draft_length():
         np.testing.assert_array_equal(
             ragged["tokens"][rows, : length + 1], alone["tokens"]
         )
+
+
+def test_the_fused_draw_is_the_residual_then_the_sampler():
+    """`block_step` draws from BlockResidual's weights through the fused summary;
+    the same residual behind a piece the step does not know runs the generic
+    path, the weights made whole: the same tokens."""
+    inputs = close_drafts(4, 32, 4, 1000)
+    generic = speculax.SpeculativeStep(
+        speculax.BlockAcceptance(),
+        speculax.LastPassCount(),
+        DelegatingResidual(speculax.BlockResidual()),
+        check_all_probs=True,
+    )
+    for draft_probs in (inputs["draft_probs"], None):
+        both = [
+            _jitted(step)(**{**inputs, "draft_probs": draft_probs})
+            for step in (BLOCK, generic)
+        ]
+        for name in ("num_accepted", "tokens"):
+            np.testing.assert_array_equal(both[0][name], both[1][name])
+        assert np.any(np.asarray(both[0]["num_accepted"]) < 4)
 
 
 def test_last_pass_count():
@@ -200,12 +211,12 @@ def test_last_pass_count():
 def test_a_bad_value_in_a_row_the_test_reads_is_reported():
     """Every row is read, so every row is checked: a NaN in a middle draft row,
     which the token-by-token step would never read, raises or comes back."""
-    inputs = _close_inputs(3, 4, 4, 300)
+    inputs = close_drafts(3, 4, 4, 300)
     inputs["draft_probs"][1, 2, 7] = np.nan
     with pytest.raises(RuntimeError, match="draft_probs must be finite"):
         jax.block_until_ready(_jitted(BLOCK)(**inputs))
     out = _jitted(speculax.block_step(throw=False))(**inputs)
+    assert bool((out["result"] == speculax.RESULTS.bad_draft_probs)[1])
     messages = speculax.failure_messages(out["result"])
-    assert messages[1].startswith("draft_probs must be finite")
     assert [m for b, m in enumerate(messages) if b != 1] == ["", "", ""]
     assert out["tokens"][1].tolist() == [-1] * 5

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from inputs import random_inputs
+from inputs import close_drafts, random_inputs
 
 
 VOCAB = 4
@@ -184,7 +184,6 @@ def _sample_trees(rng, parents, num_trees, drafting):
         ("recursive", "independent"),
         ("recursive", "without replacement"),
         ("traversal", "independent"),
-        ("traversal", "without replacement"),
     ],
 )
 def test_the_jitted_step_draws_the_exact_distribution(kind, drafting):
@@ -263,31 +262,16 @@ def test_a_chain_is_verified_as_the_chain_step_does(style, deterministic):
     )
 
 
-def _close_chain(seed: int, dtype) -> dict[str, np.ndarray]:
-    """A batch of chains whose drafts are a perturbed copy of the target, so that
-    long paths are kept and every kind of block is seen."""
-    inputs = random_inputs(seed, 64, 4, 300)
-    rng = np.random.default_rng(seed)
-    target = inputs["target_probs"].astype(np.float64)
-    draft = target[:, :4] * np.exp(0.7 * rng.standard_normal(target[:, :4].shape))
-    draft /= draft.sum(-1, keepdims=True)
-    cumulative = np.cumsum(draft, axis=-1)
-    tokens = np.minimum((cumulative < rng.random((64, 4, 1))).sum(-1), 299)
-    inputs.update(draft_tokens=tokens, draft_probs=draft, target_probs=target)
-    for name in ("draft_probs", "target_probs", "accept_uniforms", "sample_uniforms"):
-        inputs[name] = inputs[name].astype(dtype)
-    return inputs
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["q", "no q"])
+@pytest.mark.parametrize(
+    "deterministic, dtype", [(False, "float32"), (False, "float64"), (True, "float64")]
+)
 def test_traversal_on_a_chain_is_block_verification(deterministic, dtype):
     """Bit for bit: node i's alpha is P_i, and deleting node i + 1 turns it into
     h_i, summed in the same order."""
     import speculax
 
     with jax.enable_x64(dtype == "float64"):
-        inputs = _close_chain(4, dtype)
+        inputs = close_drafts(4, 64, 4, 300, sigma=0.7, dtype=dtype)
         tree = _chain_as_tree(inputs)
         if deterministic:
             inputs["draft_probs"] = tree["draft_probs"] = None
@@ -328,6 +312,7 @@ def test_traversal_keeps_fewer_tokens_than_recursive_sampling_on_some_trees():
     the root's two children cover the vocabulary, so recursive sampling always
     keeps one of them, which traversal does not. 1.732 against 1.645 accepted
     tokens, both lossless. Found by a random search over small trees."""
+    import speculax.testing
 
     def model(which):
         @functools.cache
@@ -338,6 +323,11 @@ def test_traversal_keeps_fewer_tokens_than_recursive_sampling_on_some_trees():
         return next_token_probs
 
     args = ([0, 1, 0, 1, 4], model(0), model(1), 2, "without replacement")
+    for kind in STEPS:
+        error = speculax.testing.tree_lossless_error(
+            _step(kind, _rule(args[-1])), *args[:-1], drafting=args[-1]
+        )
+        assert error < 1e-12
     recursive = _mean_length("recursive", *args) - 1
     traversal = _mean_length("traversal", *args) - 1
     assert recursive == pytest.approx(1.7320353497, abs=1e-9)
@@ -654,48 +644,106 @@ def _reference_walk(parents, tokens, q, p, u, s, without_replacement, max_depth)
         node = accepted
 
 
-@pytest.mark.parametrize("max_depth", [None, 1])
+def _reference_traversal(parents, tokens, q, p, u, s, without_replacement, max_depth):
+    """Traversal verification as `docs/keeping_more.md` states it, walked in float64
+    NumPy for one tree; `q` is None for deterministic drafts. Returns the emitted
+    tokens and the path's nodes."""
+    vocab = p.shape[-1]
+    children = {k: [] for k in range(len(parents) + 1)}
+    depth = {0: 0}
+    for j, parent in enumerate(parents, start=1):
+        if parent in depth and depth[parent] < max_depth:
+            children[parent].append(j)
+            depth[j] = depth[parent] + 1
+    target = {0: p[0]}
+    draft = {0: None if q is None else q[0]}
+    alpha = {0: 1.0}
+
+    def visit(node, path):
+        for child in children[node]:
+            token = tokens[child - 1]
+            d = np.eye(vocab)[token] if q is None else draft[node]
+            kept = alpha[node] * target[node][token]
+            if kept >= d[token]:
+                alpha[child] = 1.0 if kept > 0 else 0.0
+            else:
+                alpha[child] = kept / d[token]
+            target[child] = p[child]
+            draft[child] = None if q is None else q[child]
+            found = visit(child, [*path, child])
+            if found is not None:
+                return found
+            left = np.maximum(alpha[node] * target[node] - d, 0)
+            if q is not None and without_replacement:
+                removed = np.where(np.arange(vocab) == token, 0, draft[node])
+                draft[node] = removed / removed.sum()
+            mass = left.sum()
+            total = mass + (1 - alpha[node])
+            alpha[node] = mass / total if total > 0 else 1.0
+            target[node] = (left if mass > 0 else p[node]) / (
+                mass if mass > 0 else p[node].sum()
+            )
+        if node == 0 or u[node - 1] < alpha[node]:
+            cdf = np.cumsum(target[node]) / target[node].sum()
+            emitted = [int(tokens[k - 1]) for k in path]
+            return [*emitted, int(np.argmax(cdf > s))], path
+        return None
+
+    return visit(0, [])
+
+
 @pytest.mark.parametrize(
     "drafting", ["independent", "without replacement", "deterministic"]
 )
-@pytest.mark.parametrize("shape", SHAPES)
-def test_the_step_walks_the_rule(shape, drafting, max_depth):
-    """The compiled step against the rule walked in float64, with random coins, on
-    every shape (an unused slot, the third sibling of width 3), with and without a
-    depth limit: the link between the step and the enumeration that proves the
-    rule lossless."""
-    import speculax
-
-    parents = SHAPES[shape]
-    rng = np.random.default_rng(len(parents))
-    batch, vocab = 64, 6
-    p = rng.dirichlet(np.ones(vocab) * 0.7, (batch, len(parents) + 1))
-    q = rng.dirichlet(np.ones(vocab) * 0.7, (batch, len(parents) + 1))
-    tokens = rng.integers(0, vocab, (batch, len(parents)))
-    u = rng.random((batch, len(parents)))
+@pytest.mark.parametrize(
+    "kind, max_depth",
+    [("recursive", None), ("recursive", 1), ("traversal", None), ("traversal", 2)],
+)
+def test_the_step_walks_the_rule(kind, max_depth, drafting):
+    """The compiled step against its rule walked in float64, with random coins, on
+    a batch of trees of several shapes (each of `SHAPES`, a chain, a deep uneven
+    tree, unused slots), with and without a depth limit: the link between the step
+    and the enumeration that proves the rule lossless."""
+    slots = 6
+    shapes = [
+        *(parents + [-1] * (slots - len(parents)) for parents in SHAPES.values()),
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 1, 0, 5],
+    ]
+    rng = np.random.default_rng(17)
+    batch, vocab = 100, 5
+    parents = np.array([shapes[b % len(shapes)] for b in range(batch)])
+    p = rng.dirichlet(np.ones(vocab) * 0.7, (batch, slots + 1))
+    # Drafts close to the target, so that paths are kept as well as cut.
+    q = p * np.exp(0.5 * rng.standard_normal(p.shape))
+    q /= q.sum(-1, keepdims=True)
+    tokens = rng.integers(0, vocab, (batch, slots))
+    u = rng.random((batch, slots))
     s = rng.random(batch)
     deterministic = drafting == "deterministic"
-    step = speculax.TreeStep(_rule(drafting), max_depth=max_depth)
+    step = _step(kind, _rule(drafting), max_depth=max_depth)
     with jax.enable_x64(True):
-        out = jax.jit(step)(
-            np.tile(parents, (batch, 1)), tokens, None if deterministic else q, p, u, s
-        )
-    depth = len(parents) if max_depth is None else max_depth
+        out = jax.jit(step)(parents, tokens, None if deterministic else q, p, u, s)
+    reference = _reference_traversal if kind == "traversal" else _reference_walk
+    lengths = []
     for b in range(batch):
-        want, nodes = _reference_walk(
-            parents,
+        want, nodes = reference(
+            parents[b],
             tokens[b],
             None if deterministic else q[b],
             p[b],
             u[b],
             s[b],
             drafting == "without replacement",
-            depth,
+            slots if max_depth is None else max_depth,
         )
         got = np.asarray(out["tokens"][b])
         assert got[got >= 0].tolist() == want
         got_nodes = np.asarray(out["accepted_nodes"][b])
         assert got_nodes[got_nodes >= 0].tolist() == nodes
+        lengths.append(len(nodes))
+    # Walks that keep nothing, and walks as deep as the limit allows.
+    assert 0 in lengths and max(lengths) >= min(2, max_depth or 2)
 
 
 def test_bad_draft_rows_are_named():

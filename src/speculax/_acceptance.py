@@ -21,8 +21,8 @@ class AbstractAcceptance(eqx.Module):
 
     Subclass it and implement `__call__` to write your own test; plug it into
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(acceptance=...)`. Only the
-    per-position verdicts are returned: the first failure ending the step is the job of
-    the prefix count.
+    per-position verdicts are returned: turning them into the number of tokens kept
+    is the job of the prefix count.
 
     Every test states two class variables and one field:
 
@@ -254,7 +254,6 @@ class BlockAcceptance(AbstractAcceptance):
         ratios = path_acceptance(
             draft_tokens, draft_probs, target_probs, axis_name=self.axis_name
         )
-        # h_k for k = 1, ..., G - 1, from the rows at those positions.
         mass = continuation_masses(
             ratios,
             draft_tokens,
@@ -263,7 +262,8 @@ class BlockAcceptance(AbstractAcceptance):
             axis_name=self.axis_name,
         )
         continuing = block_continuation(mass, ratios[:, 1:num_draft])
-        # At a row's last draft position h is P_g itself.
+        # The last test of a row, at g_b - 1, keeps the whole block or nothing: no
+        # later position can pass after it, so its threshold is P_g itself.
         position = jnp.arange(num_draft)[None, :]
         last = num_draft if num_draft_tokens is None else num_draft_tokens
         is_last = position + 1 == jnp.reshape(last, (-1, 1))

@@ -7,7 +7,7 @@ from jaxtyping import Array, Float, Int
 
 from ._numerics import flush_subnormal, upcast
 from ._stopping_rows import summary_loops_over_rows
-from ._vocab_axis import ordered_row_sums, probs_at_tokens, vocab_offset
+from ._vocab_axis import one_hot_over_vocab, ordered_row_sums, probs_at_tokens
 
 
 def path_acceptance(
@@ -68,9 +68,10 @@ def block_continuation(
     """$h = r / (r + (1 - P))$, or 1 when the denominator is 0: the probability
     with which block verification keeps a path whose next position was rejected.
     Summed as $r + (1 - P)$, never $(r + 1) - P$, so that block and traversal
-    verification round alike. An infinite mass, from rows whose total overflows
-    (which the checks report), gives 1 rather than NaN, so that the report names
-    the overflow."""
+    verification round alike. An infinite mass, from unnormalised rows whose total
+    overflows, gives 1 rather than NaN: the traversal reports such a row as an
+    overflow, and the block step's checks read the row it draws from (a middle row
+    that overflows is not reported there)."""
     total = mass + (1 - ratio)
     ordinary = (total > 0) & jnp.isfinite(total)
     return jnp.where(ordinary, mass / jnp.where(ordinary, total, 1), 1)
@@ -101,18 +102,18 @@ def continuation_masses(
 
     On CPU a loop over the batch, each row's $G - 1$ positions read in place: XLA
     CPU materialises the batched form's `(B, G - 1, V)` excess and runs it twice as
-    slowly. Elsewhere the batched form, which a GPU runs in parallel.
+    slowly. Elsewhere the batched form, which a GPU runs in parallel; and for
+    half-precision inputs, as for the stopping rows' summary, since XLA CPU would
+    convert the whole array inside the loop.
     """
     batch, num_draft = draft_tokens.shape
     vocab = target_probs.shape[-1]
-    offset = vocab_offset(vocab, axis_name)
 
     def masses(ratio, target, draft, tokens):
         # One batch row's or all of them: `ratio` (..., G - 1), rows (..., G - 1, V).
         target = upcast(target)
         if draft is None:
-            token = jnp.arange(vocab) + offset
-            draft = (token == tokens[..., None]).astype(target.dtype)
+            draft = one_hot_over_vocab(tokens, vocab, target.dtype, axis_name)
         excess = scaled_excess(ratio, target, upcast(draft))
         return ordered_row_sums(excess, axis_name)
 

@@ -11,7 +11,7 @@ class AbstractPrefixCount(eqx.Module):
 
     Subclass it and implement `__call__` to write your own rule; plug it into
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(prefix=...)`. The concrete
-    count is final: to change it, wrap it in a piece of your own.
+    counts are final: to change one, wrap it in a piece of your own.
     """
 
     @abc.abstractmethod

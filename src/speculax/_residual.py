@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, Int
 from ._block import scaled_excess, stopping_ratio
 from ._numerics import upcast
 from ._stopping_rows import stopping_rows
-from ._vocab_axis import any_over_vocab, vocab_offset
+from ._vocab_axis import any_over_vocab, one_hot_over_vocab
 
 
 class AbstractResidual(eqx.Module):
@@ -17,8 +17,8 @@ class AbstractResidual(eqx.Module):
 
     Subclass it and implement `__call__` to write your own; plug it into
     [`speculax.SpeculativeStep`][] with `SpeculativeStep(residual=...)`. An
-    implementation should read only row $n$ of each batch element: the other
-    $G$ positions are never needed.
+    implementation should read only row $n$ of each batch element, and at most the
+    probabilities of the draft tokens elsewhere.
 
     The step always passes the keyword `num_draft_tokens`, `None` for a full batch:
     in a ragged batch drafting stopped at $n$ with a draft to correct when $n < g_b$,
@@ -123,7 +123,8 @@ class BlockResidual(AbstractResidual):
     weights of [`speculax.Residual`][], to the last bit; the rules for deterministic
     drafts, ragged batches and weights without mass are the same too.
 
-    Reads the rows $p_n$ and $q_n$, and $p_i(x_i)$ and $q_i(x_i)$ for $i < n$.
+    Reads the rows $p_n$ and $q_n$, and the $2 G$ probabilities $p_i(x_i)$ and
+    $q_i(x_i)$ of the draft tokens.
     Paired with [`speculax.InverseCDF`][] in a step, it runs fused with it, as
     [`speculax.Residual`][] does.
 
@@ -191,10 +192,9 @@ def residual_weights(
         rejected = jnp.take_along_axis(
             draft_tokens, jnp.minimum(num_accepted, num_draft - 1)[:, None], axis=1
         )
-        vocab = target_row.shape[-1]
-        token = jnp.arange(vocab) + vocab_offset(vocab, axis_name)
-        is_rejected = token[None, :] == rejected
-        draft_row = is_rejected.astype(target_row.dtype)
+        draft_row = one_hot_over_vocab(
+            rejected[:, 0], target_row.shape[-1], target_row.dtype, axis_name
+        )
     excess = scaled_excess(scale, target_row, upcast(draft_row))
     weights = jnp.where(drafting, excess, target_row)
     has_mass = any_over_vocab(jnp.any(weights > 0, axis=-1), axis_name)

@@ -38,10 +38,11 @@ def sharded_step(
     ever holds a whole `(batch, vocab)` row. Each device runs `step` on its slice; the
     pieces that read the vocabulary, built with `axis_name=vocab_axis`, exchange only
     small arrays: the $2 B G$ probabilities of the draft tokens (`psum`), the
-    $B \\lceil V / 256 \\rceil$ block sums of the residual (`all_gather`), and one
-    number per row for the rest. Outputs are bit for bit those of `step` on one device
-    when every device's share $V / d$ of the vocabulary is a multiple of the block
-    size 256 (or the vocabulary is not sharded).
+    $B \\lceil V / 256 \\rceil$ block sums of the residual (`all_gather`), for
+    block verification the $B (G - 1) \\lceil V / 256 \\rceil$ block sums of its
+    masses, and one number per row for the rest. Outputs are bit for bit those of
+    `step` on one device when every device's share $V / d$ of the vocabulary is a
+    multiple of the block size 256 (or the vocabulary is not sharded).
 
     With a batch axis only, any pieces whose `axis_name` is `None` work, with no
     communication at all. With a vocabulary axis, the pieces of `step` whose

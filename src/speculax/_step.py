@@ -457,8 +457,8 @@ def block_step(
     """The step of block verification (Sun et al., 2025): the drafts are judged as a
     block, a pass at a later position keeping the drafts before it even where their
     own tests failed. Lossless like the token-by-token step, and never keeps fewer
-    tokens in expectation: more when the drafts are sampled, exactly as many when
-    they are deterministic (`draft_probs=None`), where it only costs more. See
+    tokens in expectation: usually more when the drafts are sampled, exactly as many
+    when they are deterministic (`draft_probs=None`), where it only costs more. See
     `docs/keeping_more.md` for the statement, the gain and the cost.
 
     **Arguments:**

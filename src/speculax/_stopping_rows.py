@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._numerics import flush_subnormal, ordered_block_sums, upcast
-from ._vocab_axis import sum_over_vocab, vocab_offset
+from ._vocab_axis import one_hot_over_vocab, sum_over_vocab, vocab_offset
 
 
 def stopping_rows(
@@ -35,18 +35,12 @@ def stopping_rows(
     if draft_probs is None:
         if rejected is None:
             return target_row, None
-        return target_row, _one_hot(rejected, vocab, target_row.dtype)
+        return target_row, one_hot_over_vocab(rejected, vocab, target_row.dtype, None)
     num_draft = draft_probs.shape[1]
     if num_draft == 0:
         return target_row, None
     draft_row = draft_probs[batch, jnp.minimum(num_accepted, num_draft - 1)]
     return target_row, draft_row
-
-
-def _one_hot(
-    token: Int[Array, "*batch"], vocab: int, dtype
-) -> Float[Array, "*batch vocab"]:
-    return (jnp.arange(vocab) == token[..., None]).astype(dtype)
 
 
 class RowSummary(eqx.Module):
@@ -55,7 +49,8 @@ class RowSummary(eqx.Module):
     Blocks are consecutive runs of `block_size` tokens (the last one shorter when
     `block_size` does not divide the vocabulary). For valid inputs
     `block_mass` holds the block sums of the weights the step draws from:
-    $\\max(p_n - q_n, 0)$ where `subtracting`, else $p_n$ (when $n = G$, for
+    $\\max(P_n \\, p_n - q_n, 0)$ where `subtracting` ($P_n$ the `scale` of block
+    verification, 1 when it is `None`), else $p_n$ (when $n = G$, for
     deterministic drafts, and for a row whose residual has no mass: the fallback).
     A negative or non-finite value in $p_n$ makes its block's entry NaN, and one in
     $q_n$ while subtracting makes it $-\\infty$: this is how the value checks
@@ -90,8 +85,8 @@ def stopping_row_summary(
     axis_name: str | None = None,
     scale: Float[Array, " batch"] | None = None,
 ) -> RowSummary:
-    """The block sums of the weights the step draws from, $\\max(p_n - q_n, 0)$ or
-    $p_n$, in one pass over the two rows, reading nothing else.
+    """The block sums of the weights the step draws from, $\\max(P_n \\, p_n - q_n,
+    0)$ or $p_n$, in one pass over the two rows, reading nothing else.
 
     The step computes it once and hands it to the value checks and, for the default
     residual and sampler, to the sampling, so that the two rows are read once between
@@ -119,6 +114,8 @@ def stopping_row_summary(
     - `axis_name`: inside `shard_map`, the mesh axis the vocabulary is split over:
         the block sums are then those of this device's slice, and whether a row has
         mass is decided over the whole row.
+    - `scale`: $P_n$ of block verification ([`speculax.BlockResidual`][]), or
+        `None` for 1, the weights of [`speculax.Residual`][].
 
     **Returns:**
 
@@ -209,8 +206,8 @@ def stopping_row_summary(
 def block_weights(
     summary: RowSummary, block_index: Int[Array, " batch"]
 ) -> Float[Array, "batch block"]:
-    """The weights inside one block per batch element, $\\max(p_n - q_n, 0)$ where
-    the summary is subtracting and $p_n$ elsewhere, upcast, zero beyond the
+    """The weights inside one block per batch element, $\\max(P_n \\, p_n - q_n, 0)$
+    where the summary is subtracting and $p_n$ elsewhere, upcast, zero beyond the
     vocabulary: $2 \\cdot$ `block_size` reads per element.
     """
     num_accepted, draft_probs, target_probs = (
@@ -299,7 +296,9 @@ def _row_block_sums(
                     draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
                 )
             elif rejected is not None:
-                draft_row = _one_hot(rejected[b], vocab, target_row.dtype)
+                draft_row = one_hot_over_vocab(
+                    rejected[b], vocab, target_row.dtype, None
+                )
             else:
                 return block_sums(target_row, None, None, None)
             row_scale = None if scale is None else scale[b]

@@ -19,9 +19,10 @@ from ._tree import (
     IndependentSiblings,
     TreeWalk,
     arithmetic_dtype,
+    read_row,
     start_walk,
 )
-from ._vocab_axis import ordered_row_sums
+from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
 
 
 @final
@@ -106,7 +107,7 @@ class TraversalStep(AbstractTreeStep):
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
 
-    def walk(
+    def _walk(
         self,
         max_depth: int,
         b: Int[Array, ""],
@@ -118,20 +119,10 @@ class TraversalStep(AbstractTreeStep):
     ) -> TreeWalk:
         """One event per loop iteration, entering a node or testing one: at most
         two per node and one for the root. Only a failed test reads whole rows."""
-        num_nodes = parents.shape[1]
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
         start = start_walk(vocab, dtype, max_depth)
-        if num_nodes == 0:
-            # No draft nodes: the walk ends at the root (and the loop's body, traced
-            # even for zero steps, would index empty arrays).
-            return start
         depth, first_child, next_sibling = _tree_links(parents[b], max_depth)
-
-        def row(probs, node):
-            zero = jnp.zeros((), jnp.int32)
-            sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, vocab))
-            return upcast(sliced[0, 0])
 
         def token_of(node):
             return jnp.clip(tree_tokens[b, node - 1], 0, vocab - 1)
@@ -212,12 +203,12 @@ class TraversalStep(AbstractTreeStep):
             parent = position.path[parent_depth]
             token = token_of(node)
             updated = position.updated[parent_depth]
-            own_target = row(target_probs, parent)
+            own_target = read_row(target_probs, b, parent)
             if draft_probs is None:
-                own_draft = (jnp.arange(vocab) == token).astype(dtype)
+                own_draft = one_hot_over_vocab(token, vocab, dtype, None)
                 draft = own_draft
             else:
-                own_draft = row(draft_probs, parent)
+                own_draft = read_row(draft_probs, b, parent)
                 draft = jnp.where(updated, left.draft[parent_depth], own_draft)
             target = jnp.where(
                 updated,
@@ -251,7 +242,7 @@ class TraversalStep(AbstractTreeStep):
             sibling = next_sibling[node]
             sibling_token = token_of(sibling)
             raw_target, raw_draft = raw_at(parent, sibling_token)
-            draft_at = 1 if draft_probs is None else draft[sibling_token]
+            draft_at = raw_draft if draft_probs is None else draft[sibling_token]
             entered = enter(
                 eqx.tree_at(lambda p: (p.node, p.testing), position, (sibling, False)),
                 excess[sibling_token] / mass,

@@ -30,7 +30,7 @@ from ._random import KeyArray, uniforms
 from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
 from ._step import InputArray, optional_array
 from ._stopping_rows import summary_loops_over_rows, summation_lanes
-from ._vocab_axis import ordered_row_sums
+from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
 
 
 class AbstractSiblingRule(eqx.Module):
@@ -56,7 +56,9 @@ class AbstractSiblingRule(eqx.Module):
         """**Arguments:**
 
         - `target`: $p$, the node's current target distribution, normalised, in the
-            arithmetic dtype.
+            arithmetic dtype; for [`speculax.TraversalStep`][] times $\\alpha$, the
+            probability of keeping the path to the node, so that what it leaves has
+            mass $r$.
         - `draft`: $q$, the node's current draft distribution, normalised; for
             deterministic drafts the one-hot of the rejected token.
         - `rejected`: $c$, the token of the child that failed.
@@ -272,7 +274,7 @@ class AbstractTreeStep(eqx.Module):
         vocab = target_probs.shape[-1]
 
         def one_tree(b):
-            return self.walk(
+            return self._walk(
                 max_depth,
                 b,
                 parents,
@@ -282,12 +284,13 @@ class AbstractTreeStep(eqx.Module):
                 accept_uniforms,
             )
 
-        if batch == 0:
-            # The loop's body, traced even for no rows, would index empty arrays.
+        if batch == 0 or num_nodes == 0:
+            # Every walk ends at the root before it starts; and the walks' loops,
+            # traced even for no rows or no nodes, would index empty arrays.
             dtype = arithmetic_dtype(draft_probs, target_probs)
+            start = start_walk(vocab, dtype, max_depth)
             walks = jax.tree.map(
-                lambda x: jnp.zeros((0, *x.shape), x.dtype),
-                start_walk(vocab, dtype, max_depth),
+                lambda x: jnp.broadcast_to(x, (batch, *x.shape)), start
             )
         else:
             # A loop over the row indices, the arrays read in place: looping over
@@ -325,7 +328,7 @@ class AbstractTreeStep(eqx.Module):
         return empty_failed_rows(output, result)
 
     @abc.abstractmethod
-    def walk(
+    def _walk(
         self,
         max_depth: int,
         b: Int[Array, ""],
@@ -335,10 +338,10 @@ class AbstractTreeStep(eqx.Module):
         target_probs: Float[Array, "batch nodes+1 vocab"],
         accept_uniforms: Float[Array, "batch nodes"],
     ) -> TreeWalk:
-        """The walk over row `b`'s tree, reading the arrays of the whole batch in
-        place. `parents` hold -1 for unused slots and are otherwise valid where the
-        checks pass (what they return for bad parents is discarded); nodes deeper
-        than `max_depth` are ignored.
+        """The walk over row `b`'s tree, of at least one node, reading the arrays of
+        the whole batch in place. `parents` hold -1 for unused slots and are
+        otherwise valid where the checks pass (what they return for bad parents is
+        discarded); nodes deeper than `max_depth` are ignored.
 
         **Returns:**
 
@@ -426,7 +429,7 @@ class TreeStep(AbstractTreeStep):
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
 
-    def walk(
+    def _walk(
         self,
         max_depth: int,
         b: Int[Array, ""],
@@ -442,18 +445,13 @@ class TreeStep(AbstractTreeStep):
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
 
-        def row(probs, node):
-            zero = jnp.zeros((), jnp.int32)
-            sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, vocab))
-            return upcast(sliced[0, 0])
-
         def target_row(node):
-            return row(target_probs, node)
+            return read_row(target_probs, b, node)
 
         def draft_row(node, token):
             if draft_probs is None:
-                return (jnp.arange(vocab) == token).astype(dtype)
-            return row(draft_probs, node)
+                return one_hot_over_vocab(token, vocab, dtype, None)
+            return read_row(draft_probs, b, node)
 
         def visit(j, walk: TreeWalk) -> TreeWalk:
             token = tree_tokens[b, j]
@@ -551,11 +549,18 @@ class TreeStep(AbstractTreeStep):
             )
 
         start = start_walk(vocab, dtype, max_depth)
-        if parents.shape[1] == 0:
-            # No draft nodes: the walk ends at the root (and the loop's body, traced
-            # even for zero steps, would index empty arrays).
-            return start
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
+
+
+def read_row(
+    probs: Float[Array, "batch positions vocab"],
+    b: Int[Array, ""],
+    node: Int[Array, ""],
+) -> Float[Array, " vocab"]:
+    """Row `node` of tree `b`, upcast, read in place by `dynamic_slice`."""
+    zero = jnp.zeros((), jnp.int32)
+    sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, probs.shape[-1]))
+    return upcast(sliced[0, 0])
 
 
 def _check_tree_structure(

@@ -64,6 +64,15 @@ def probs_at_tokens(
     return target, at_tokens(draft_probs)
 
 
+def one_hot_over_vocab(
+    token: Int[Array, "*rows"], shard_vocab: int, dtype, axis_name: str | None
+) -> Float[Array, "*rows vocab"]:
+    """The one-hot rows of `token` over this device's slice of the vocabulary (zero
+    on the devices that do not hold it), made from an iota, never read."""
+    own_tokens = jnp.arange(shard_vocab) + vocab_offset(shard_vocab, axis_name)
+    return (own_tokens == token[..., None]).astype(dtype)
+
+
 def any_over_vocab(
     flags: Bool[Array, "*rows"], axis_name: str | None
 ) -> Bool[Array, "*rows"]:

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Float
 
 from .._traversal import TraversalStep
-from .._tree import AbstractTreeStep
+from .._tree import AbstractTreeStep, TreeStep
 
 
 # A language model for the enumeration: the distribution of the next token after a
@@ -40,15 +40,19 @@ def tree_output_distribution(
     `draft(prefix)` for the tokens on the path to $k$, either independently, or one
     after another without replacement; or fixed (`"deterministic"`, from
     `tree_tokens`). The target row of node $k$ is `target(prefix)`. The uniforms are
-    integrated out analytically: a child $c$ tested against $(p, q)$ passes with
+    integrated out analytically, with the step's own rule walked in float64. For a
+    [`speculax.TreeStep`][], a child $c$ tested against $(p, q)$ passes with
     probability $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$), and a rejection
     leaves what `step.siblings` returns, normalised, with the step's fallback to the
-    node's target row. The final token is drawn from the normalised weights (the
-    sampler is assumed exact; test it statistically).
+    node's target row. For a [`speculax.TraversalStep`][], the nodes are tested in
+    post-order, each passing with its $\\alpha$, and a deletion updates the parent
+    through `step.siblings` as the step does. The final token is drawn from the
+    normalised weights (the sampler is assumed exact; test it statistically).
 
     **Arguments:**
 
-    - `step`: the [`speculax.TreeStep`][] whose sibling rule and `max_depth` to use.
+    - `step`: the [`speculax.TreeStep`][] or [`speculax.TraversalStep`][] whose rule,
+        sibling rule and `max_depth` to use.
     - `parents`: the parent of each draft node $1, \\dots, N$, as for the step
         (`-1` for an unused slot).
     - `target`, `draft`: functions from a tuple of tokens to a normalised float64
@@ -70,8 +74,12 @@ def tree_output_distribution(
     **Raises:**
 
     `ValueError` for bad parents, a missing or unneeded `tree_tokens`, or more than
-    200,000 draft trees.
+    200,000 draft trees; `TypeError` for a step of another kind.
     """
+    if type(step) not in (TreeStep, TraversalStep):
+        raise TypeError(
+            f"step must be a TreeStep or a TraversalStep; got {type(step).__name__}"
+        )
     parents = list(parents)
     num_nodes = len(parents)
     used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
