@@ -171,7 +171,7 @@ def _all_probs_failures(
     when the bad value lies in padding past $g_b$, which the second pass ignores).
     """
     arrays = [target_probs] + ([] if draft_probs is None else [draft_probs])
-    suspect = jnp.any(jnp.stack([_holds_bad_values(x, axis=None) for x in arrays]))
+    suspect = jnp.any(jnp.stack([holds_bad_values(x, axis=None) for x in arrays]))
     # The same branch on every device: the second pass reduces over the mesh axis.
     suspect = any_over_vocab(suspect, axis_name)
     # Position i of p is in use when i = 0 or position i - 1 of the drafts is.
@@ -181,7 +181,7 @@ def _all_probs_failures(
         flags = [target_in_use] + ([] if draft_probs is None else [in_use])
         return jnp.stack(
             [
-                any_over_vocab(_rows(used & _holds_bad_values(x, axis=-1)), axis_name)
+                any_over_vocab(_rows(used & holds_bad_values(x, axis=-1)), axis_name)
                 for x, used in zip(arrays, flags, strict=True)
             ]
         )
@@ -194,7 +194,7 @@ def _all_probs_failures(
     return failures
 
 
-def _holds_bad_values(x: Float[Array, "..."], axis: int | None) -> Bool[Array, "..."]:
+def holds_bad_values(x: Float[Array, "..."], axis: int | None) -> Bool[Array, "..."]:
     """Whether `x` holds a negative or non-finite value along `axis` (`None`: all of
     it), by a sum that is exactly 0 for valid values: $\\min(x, 0)$ is negative for a
     negative $x$, and $0 \\cdot x$ is NaN for an infinite or NaN one. One reduction

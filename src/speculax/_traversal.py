@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._block import block_continuation, next_ratio
-from ._failures import not_a_probability
+from ._failures import holds_bad_values, not_a_probability
 from ._numerics import flush_subnormal, upcast
 from ._sampling import AbstractSampler, InverseCDF
 from ._tree import (
@@ -261,9 +261,9 @@ class TraversalStep(AbstractTreeStep):
                 target_mass=left.target_mass.at[parent_depth].set(mass),
                 draft=left.draft.at[parent_depth].set(draft),
                 bad_target_row=left.bad_target_row
-                | (first & jnp.any(not_a_probability(own_target))),
+                | (first & holds_bad_values(own_target, axis=None)),
                 bad_draft_row=left.bad_draft_row
-                | (first & jnp.any(not_a_probability(own_draft))),
+                | (first & holds_bad_values(own_draft, axis=None)),
                 overflow=left.overflow | jnp.isinf(mass),
             )
             return position, left

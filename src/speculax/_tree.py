@@ -15,6 +15,7 @@ from ._failures import (
     Failure,
     empty_failed_rows,
     first_failure,
+    holds_bad_values,
     not_a_probability,
     outside_unit_interval,
     raise_first_failure,
@@ -541,9 +542,9 @@ class TreeStep(AbstractTreeStep):
                     mass,
                     draft,
                     walk.bad_target_row
-                    | (first & jnp.any(not_a_probability(own_target))),
+                    | (first & holds_bad_values(own_target, axis=None)),
                     walk.bad_draft_row
-                    | (first & jnp.any(not_a_probability(own_draft))),
+                    | (first & holds_bad_values(own_draft, axis=None)),
                     walk.overflow | jnp.isinf(mass),
                 ),
             )
