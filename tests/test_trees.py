@@ -781,8 +781,12 @@ def test_a_deterministic_sampler_needs_no_sample_uniforms():
     del inputs["sample_uniforms"]
     out = speculax.TreeStep(sampler=speculax.Argmax())(**inputs)
     assert out["tokens"].shape == (2, 8)
-    with pytest.raises(ValueError, match="sample_uniforms is required"):
+    with pytest.raises(ValueError, match="sample_uniforms is required: InverseCDF"):
         speculax.TreeStep()(**inputs)
+    # The walk reads every node's coin, whatever the sampler.
+    del inputs["accept_uniforms"]
+    with pytest.raises(ValueError, match="accept_uniforms is required: TraversalStep"):
+        speculax.TraversalStep(sampler=speculax.Argmax())(**inputs)
 
 
 def test_mixed_precision_inputs_under_x64():

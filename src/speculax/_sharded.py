@@ -20,6 +20,7 @@ from ._step import (
     optional_array,
     optional_index_array,
     resolve_uniforms,
+    uniform_readers,
 )
 
 
@@ -150,11 +151,11 @@ def sharded_step(
                 )
         # Drawn for the whole batch, as on one device, before the rows are split.
         inputs["accept_uniforms"], inputs["sample_uniforms"] = resolve_uniforms(
-            step,
             (batch, num_draft),
             inputs["accept_uniforms"],
             inputs["sample_uniforms"],
             key,
+            uniform_readers(step),
         )
         placed = {
             name: jax.device_put(x, NamedSharding(mesh, specs[name]))

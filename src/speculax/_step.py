@@ -221,7 +221,11 @@ class SpeculativeStep(eqx.Module):
         if num_draft_tokens is not None:
             num_draft_tokens = as_index(num_draft_tokens)
         accept_uniforms, sample_uniforms = resolve_uniforms(
-            self, draft_tokens.shape, accept_uniforms, sample_uniforms, key
+            draft_tokens.shape,
+            accept_uniforms,
+            sample_uniforms,
+            key,
+            uniform_readers(self),
         )
         failures = []
         if self.check_values:
@@ -275,15 +279,26 @@ class SpeculativeStep(eqx.Module):
         return empty_failed_rows(output, result)
 
 
+def uniform_readers(step: SpeculativeStep) -> tuple[str | None, str | None]:
+    """The names of the pieces of `step` that read `accept_uniforms` and
+    `sample_uniforms`, `None` where no piece does."""
+    acceptance, sampler = step.acceptance, step.sampler
+    return (
+        type(acceptance).__name__ if acceptance.reads_uniforms else None,
+        type(sampler).__name__ if sampler.reads_uniforms else None,
+    )
+
+
 def resolve_uniforms(
-    step: SpeculativeStep,
     shape: tuple[int, ...],
     accept_uniforms: Array | None,
     sample_uniforms: Array | None,
     key: KeyArray | None,
+    readers: tuple[str | None, str | None],
 ) -> tuple[Array, Array]:
-    """The uniforms as given, drawn from `key`, or zeros where no piece of `step`
-    reads them; a `ValueError` where a piece needs them and they are missing.
+    """The uniforms as given, drawn from `key`, or zeros where nothing reads them;
+    a `ValueError` where the reader named in `readers` (for `accept_uniforms`, then
+    `sample_uniforms`; `None` for none) needs them and they are missing.
     """
     batch, num_draft = shape
     if key is not None:
@@ -293,10 +308,8 @@ def resolve_uniforms(
             )
         return uniforms(key, batch, num_draft)
     given = {"accept_uniforms": accept_uniforms, "sample_uniforms": sample_uniforms}
-    readers = {"accept_uniforms": step.acceptance, "sample_uniforms": step.sampler}
-    for name, value in given.items():
-        if value is None and readers[name].reads_uniforms:
-            reader = type(readers[name]).__name__
+    for (name, value), reader in zip(given.items(), readers, strict=True):
+        if value is None and reader is not None:
             raise ValueError(
                 f"{name} is required: {reader} reads it; pass it, or key= to draw"
             )

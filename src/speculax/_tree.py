@@ -27,9 +27,9 @@ from ._numerics import (
     ordered_block_sums,
     upcast,
 )
-from ._random import KeyArray, uniforms
+from ._random import KeyArray
 from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
-from ._step import InputArray, optional_array
+from ._step import InputArray, optional_array, resolve_uniforms
 from ._stopping_rows import summary_loops_over_rows, summation_lanes
 from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
 
@@ -251,25 +251,15 @@ class AbstractTreeStep(eqx.Module):
             sample_uniforms,
         )
         batch, num_nodes = parents.shape
-        if key is not None:
-            if accept_uniforms is not None or sample_uniforms is not None:
-                raise ValueError(
-                    "pass either key or accept_uniforms and sample_uniforms, not both"
-                )
-            accept_uniforms, sample_uniforms = uniforms(key, batch, num_nodes)
-        if accept_uniforms is None:
-            raise ValueError(
-                "accept_uniforms is required: the tree step reads it; pass it, or key= "
-                "to draw"
-            )
-        if sample_uniforms is None:
-            if self.sampler.reads_uniforms:
-                reader = type(self.sampler).__name__
-                raise ValueError(
-                    f"sample_uniforms is required: {reader} reads it; pass it, or "
-                    "key= to draw"
-                )
-            sample_uniforms = jnp.zeros((batch,), jnp.float32)
+        # The walk reads every node's coin; the sampler may read no uniform.
+        sampler = type(self.sampler).__name__ if self.sampler.reads_uniforms else None
+        accept_uniforms, sample_uniforms = resolve_uniforms(
+            parents.shape,
+            accept_uniforms,
+            sample_uniforms,
+            key,
+            (type(self).__name__, sampler),
+        )
         parents, tree_tokens = as_index(parents, -2), as_index(tree_tokens)
         max_depth = num_nodes if self.max_depth is None else self.max_depth
         vocab = target_probs.shape[-1]
