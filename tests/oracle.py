@@ -173,3 +173,31 @@ def stopping_row_weights(
         if w.sum() > 0:
             return w
     return p
+
+
+def reference_probs_from_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """Temperature, top-k and top-p by sorting, in float64, for one set of
+    parameters: the textbook definition `probs_from_logits` must agree with."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        return np.eye(logits.shape[-1])[np.argmax(logits, -1)]
+    logits = logits / temperature
+    keep = np.ones(logits.shape, bool)
+    if top_k is not None:
+        kth = np.sort(logits, -1)[..., -top_k][..., None]
+        keep &= logits >= kth
+    probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p is not None:
+        for row in np.ndindex(probs.shape[:-1]):
+            order = np.argsort(-probs[row], kind="stable")
+            mass, needed = 0.0, []
+            for token in order:
+                if mass >= top_p:
+                    break
+                needed.append(probs[row][token])
+                mass += probs[row][token]
+            keep[row] &= probs[row] >= min(needed)
+        probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
+        probs /= probs.sum(-1, keepdims=True)
+    return probs

@@ -9,36 +9,10 @@ import numpy as np
 import pytest
 
 from inputs import random_inputs
-from oracle import judge
+from oracle import judge, reference_probs_from_logits
 
 
 # --- Probabilities from logits -----------------------------------------------------
-
-
-def _reference_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    logits = np.asarray(logits, np.float64)
-    if temperature == 0:
-        return np.eye(logits.shape[-1])[np.argmax(logits, -1)]
-    logits = logits / temperature
-    keep = np.ones(logits.shape, bool)
-    if top_k is not None:
-        kth = np.sort(logits, -1)[..., -top_k][..., None]
-        keep &= logits >= kth
-    probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
-    probs /= probs.sum(-1, keepdims=True)
-    if top_p is not None:
-        for row in np.ndindex(probs.shape[:-1]):
-            order = np.argsort(-probs[row], kind="stable")
-            mass, needed = 0.0, []
-            for token in order:
-                if mass >= top_p:
-                    break
-                needed.append(probs[row][token])
-                mass += probs[row][token]
-            keep[row] &= probs[row] >= min(needed)
-        probs = np.exp(logits - logits.max(-1, keepdims=True)) * keep
-        probs /= probs.sum(-1, keepdims=True)
-    return probs
 
 
 @pytest.mark.parametrize(
@@ -63,7 +37,7 @@ def test_probs_from_logits_matches_numpy(temperature, top_k, top_p, dtype):
         logits, temperature=temperature, top_k=top_k, top_p=top_p
     )
     assert probs.dtype == jnp.float32
-    expected = _reference_probs(
+    expected = reference_probs_from_logits(
         np.asarray(logits, np.float32), temperature, top_k, top_p
     )
     np.testing.assert_allclose(probs, expected, atol=2e-6)
@@ -80,7 +54,7 @@ def test_probs_from_logits_greedy_breaks_ties_toward_the_smallest_id():
     "keywords, message",
     [
         ({"temperature": -1.0}, "temperature"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -1}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
     ],
@@ -99,7 +73,7 @@ def test_probs_from_logits_takes_a_traced_temperature():
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((2, 30)))
     traced = eqx.filter_jit(lambda t: speculax.probs_from_logits(logits, temperature=t))
     for temperature in (0.0, 0.3, 1.0, 2.5):
-        expected = _reference_probs(np.asarray(logits), temperature)
+        expected = reference_probs_from_logits(np.asarray(logits), temperature)
         np.testing.assert_allclose(
             traced(jnp.float32(temperature)), expected, atol=2e-6
         )

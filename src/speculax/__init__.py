@@ -17,7 +17,8 @@ from ._failures import (
     RESULTS as RESULTS,
     failure_messages as failure_messages,
 )
-from ._logits import probs_from_logits as probs_from_logits
+from ._logits._probs import probs_from_logits as probs_from_logits
+from ._logits._step import LogitsStep as LogitsStep
 from ._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,
     LastPassCount as LastPassCount,
@@ -42,6 +43,10 @@ from ._step import (
     block_step as block_step,
     greedy_step as greedy_step,
     speculative_step as speculative_step,
+)
+from ._token_major import (
+    from_token_major as from_token_major,
+    to_token_major as to_token_major,
 )
 from ._traversal import TraversalStep as TraversalStep
 from ._tree import (

@@ -16,36 +16,40 @@ def check_structure(
     accept_uniforms: Array | None,
     sample_uniforms: Array | None,
     num_draft_tokens: Array | None,
+    *,
+    given_as: str = "probs",
 ) -> None:
     """Raises `ValueError` for a wrong rank or disagreeing sizes and `TypeError` for a
     wrong kind of dtype, naming the argument, the expected and the actual. Arguments
     given as `None` (deterministic drafts, uniforms to be drawn or not needed, no
-    ragged lengths) are skipped.
+    ragged lengths) are skipped. `given_as` names the distributions' arguments:
+    `draft_probs` and `target_probs`, or `draft_logits` and `target_logits`.
 
     Works on shapes and dtypes only, so it runs at trace time under `jit` and `vmap`.
     """
+    draft, target = f"draft_{given_as}", f"target_{given_as}"
     patterns = {
         "draft_tokens": (draft_tokens, "(B, G)", jnp.integer),
-        "draft_probs": (draft_probs, "(B, G, V)", jnp.floating),
-        "target_probs": (target_probs, "(B, G + 1, V)", jnp.floating),
+        draft: (draft_probs, "(B, G, V)", jnp.floating),
+        target: (target_probs, "(B, G + 1, V)", jnp.floating),
         "accept_uniforms": (accept_uniforms, "(B, G)", jnp.floating),
         "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
         "num_draft_tokens": (num_draft_tokens, "(B,)", jnp.integer),
     }
     check_ranks_and_dtypes(patterns)
     batch, num_draft = draft_tokens.shape
-    vocab = checked_vocab(target_probs)
+    vocab = checked_vocab(target_probs, target)
     check_sizes(
         patterns,
         {
-            "draft_probs": (batch, num_draft, vocab),
-            "target_probs": (batch, num_draft + 1, vocab),
+            draft: (batch, num_draft, vocab),
+            target: (batch, num_draft + 1, vocab),
             "accept_uniforms": (batch, num_draft),
             "sample_uniforms": (batch,),
             "num_draft_tokens": (batch,),
         },
         f"with B and G from draft_tokens {tuple(draft_tokens.shape)} and V from "
-        "target_probs",
+        f"{target}",
     )
 
 
@@ -71,13 +75,13 @@ def check_ranks_and_dtypes(patterns: Patterns) -> None:
             raise TypeError(f"{name} must have {kind_name} dtype; got {x.dtype}")
 
 
-def checked_vocab(target_probs: Array) -> int:
-    """The vocabulary size $V$, the last axis of `target_probs`; a `ValueError` if it
-    is empty."""
+def checked_vocab(target_probs: Array, name: str = "target_probs") -> int:
+    """The vocabulary size $V$, the last axis of `target_probs` (the argument `name`);
+    a `ValueError` if it is empty."""
     vocab = target_probs.shape[-1]
     if vocab < 1:
         raise ValueError(
-            f"target_probs must have a vocabulary axis of size at least 1; got shape "
+            f"{name} must have a vocabulary axis of size at least 1; got shape "
             f"{target_probs.shape}"
         )
     return vocab

@@ -65,6 +65,25 @@ class RESULTS(eqx.Enumeration):
         "target_probs must be finite and non-negative; got a negative, NaN or infinite "
         "value (check_all_probs)"
     )
+    no_finite_draft_logit = (
+        "draft_logits must hold a finite value in every row the step reads; got a "
+        "row that is all -inf"
+    )
+    no_finite_target_logit = (
+        "target_logits must hold a finite value in every row the step reads; got a "
+        "row that is all -inf"
+    )
+    bad_draft_logits = (
+        "draft_logits must be finite or -inf; got NaN or +inf in a row the step reads"
+    )
+    bad_target_logits = (
+        "target_logits must be finite or -inf; got NaN or +inf in a row the step reads"
+    )
+    top_p_out_of_range = "top_p must lie in (0, 1]; got a value outside it or NaN"
+    top_k_out_of_range = "top_k must be non-negative (0 keeps all); got a negative one"
+    temperature_out_of_range = (
+        "temperature must be non-negative (0 means greedy); got a negative one or NaN"
+    )
     sample_uniform_out_of_range = (
         "sample_uniforms must lie in [0, 1); got a value outside it or NaN"
     )
@@ -109,19 +128,8 @@ def input_failures(
     arrays too, at the positions in use. `axis_name` names the mesh axis the
     vocabulary is split over, inside `shard_map`.
     """
-    batch, num_draft = draft_tokens.shape
-    failures = []
-    if num_draft_tokens is None:
-        in_use = jnp.ones((batch, num_draft), bool)
-    else:
-        failures.append(
-            (
-                (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
-                RESULTS.num_draft_tokens_out_of_range,
-            )
-        )
-        in_use = jnp.arange(num_draft)[None, :] < num_draft_tokens[:, None]
     vocab = full_vocab(target_probs.shape[-1], axis_name)
+    in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
     target_at_draft, draft_at_draft = probs_at_tokens(
         draft_tokens,
         draft_probs if reads_draft_probs else None,
@@ -129,16 +137,9 @@ def input_failures(
         axis_name=axis_name,
     )
     return [
-        *failures,
-        (
-            _rows(in_use & ((draft_tokens < 0) | (draft_tokens >= vocab))),
-            RESULTS.draft_token_out_of_range,
+        *draft_failures(
+            draft_tokens, accept_uniforms, sample_uniforms, num_draft_tokens, vocab
         ),
-        (
-            _rows(in_use & outside_unit_interval(accept_uniforms)),
-            RESULTS.accept_uniform_out_of_range,
-        ),
-        (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
         *(
             _all_probs_failures(draft_probs, target_probs, in_use, axis_name)
             if scan_all_probs
@@ -153,6 +154,51 @@ def input_failures(
             RESULTS.bad_draft_prob_at_draft_token,
         ),
     ]
+
+
+def draft_failures(
+    draft_tokens: Int[Array, "batch draft"],
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+    num_draft_tokens: Int[Array, " batch"] | None,
+    vocab: int,
+) -> list[Failure]:
+    """The checks every chain step makes first, whatever its distributions are given
+    as: the ragged lengths, then the draft tokens and the accept uniforms at the
+    positions in use, then the sample uniforms."""
+    num_draft = draft_tokens.shape[1]
+    failures = []
+    if num_draft_tokens is not None:
+        failures.append(
+            (
+                (num_draft_tokens < 0) | (num_draft_tokens > num_draft),
+                RESULTS.num_draft_tokens_out_of_range,
+            )
+        )
+    in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
+    return [
+        *failures,
+        (
+            _rows(in_use & ((draft_tokens < 0) | (draft_tokens >= vocab))),
+            RESULTS.draft_token_out_of_range,
+        ),
+        (
+            _rows(in_use & outside_unit_interval(accept_uniforms)),
+            RESULTS.accept_uniform_out_of_range,
+        ),
+        (outside_unit_interval(sample_uniforms), RESULTS.sample_uniform_out_of_range),
+    ]
+
+
+def positions_in_use(
+    shape: tuple[int, ...], num_draft_tokens: Int[Array, " batch"] | None
+) -> Bool[Array, "batch draft"]:
+    """Which draft positions each row uses, for draft tokens of shape `shape`,
+    `(batch, draft)`: those below its `num_draft_tokens`, or all."""
+    batch, num_draft = shape
+    if num_draft_tokens is None:
+        return jnp.ones((batch, num_draft), bool)
+    return jnp.arange(num_draft)[None, :] < num_draft_tokens[:, None]
 
 
 def _all_probs_failures(

@@ -126,6 +126,12 @@ def stopping_row_summary(
     elif _half(target_probs, *([] if draft_probs is None else [draft_probs])):
         per_row = False
     num_draft = target_probs.shape[1] - 1
+    # The draft positions are the draft's own rows: the chain step's target has one
+    # more, and a caller drawing from given rows p_n and q_n passes one of each.
+    if draft_probs is not None:
+        num_draft = draft_probs.shape[1]
+    elif draft_tokens is not None:
+        num_draft = draft_tokens.shape[1]
     limit = num_draft if num_draft_tokens is None else num_draft_tokens
     block_size = min(block_size, target_probs.shape[-1])
     rejected = None
@@ -216,8 +222,8 @@ def block_weights(
         summary.target_probs,
     )
     block_size = summary.block_size
-    batch, positions, vocab = target_probs.shape
-    num_draft = positions - 1
+    batch, _, vocab = target_probs.shape
+    num_draft = 0 if draft_probs is None else draft_probs.shape[1]
     rows = jnp.arange(batch)[:, None]
     token = block_index[:, None] * block_size + jnp.arange(block_size)[None, :]
     inside = token < vocab
@@ -269,8 +275,8 @@ def _row_block_sums(
     Everything a row needs is one elementwise fusion feeding one reduction, so that
     XLA reads each of the two rows once.
     """
-    batch, positions, vocab = target_probs.shape
-    num_draft = positions - 1
+    batch, _, vocab = target_probs.shape
+    num_draft = 0 if draft_probs is None else draft_probs.shape[1]
 
     lanes = summation_lanes(per_row)
 

@@ -1,0 +1,75 @@
+"""Each request's sampling parameters: temperature, top-$k$ and top-$p$, as arrays of
+one value per row, checked."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from .._failures import RESULTS, Failure
+
+
+class SamplingParameters(eqx.Module):
+    """The sampling parameters of each row, as arrays of shape `(batch,)`.
+
+    - `temperature`: divides the logits; `0` means greedy for that row.
+    - `top_k`: the number of largest logits kept; `0` (or at least $V$) keeps all.
+    - `top_p`: the probability mass kept; `1` keeps all.
+    """
+
+    temperature: Float[Array, " batch"]
+    top_k: Int[Array, " batch"]
+    top_p: Float[Array, " batch"]
+
+    def failures(self) -> list[Failure]:
+        """The run-time checks of the values, in the order they are reported."""
+        return [
+            (~(self.temperature >= 0), RESULTS.temperature_out_of_range),
+            (self.top_k < 0, RESULTS.top_k_out_of_range),
+            (~((self.top_p > 0) & (self.top_p <= 1)), RESULTS.top_p_out_of_range),
+        ]
+
+    @property
+    def greedy(self) -> Bool[Array, " batch"]:
+        return self.temperature == 0
+
+
+def sampling_parameters(
+    temperature: ArrayLike,
+    top_k: ArrayLike | None,
+    top_p: ArrayLike | None,
+    batch: int,
+    dtype: jnp.dtype,
+) -> SamplingParameters:
+    """The parameters as arrays of shape `(batch,)`, each given as a Python number, a
+    scalar or an array of shape `(batch,)`; `None` keeps all tokens. A Python number
+    out of range raises `ValueError` now, naming it; an array's values are checked at
+    run time (`SamplingParameters.failures`).
+    """
+    if isinstance(temperature, int | float) and not temperature >= 0:
+        raise ValueError(f"temperature must be non-negative; got {temperature}")
+    if isinstance(top_k, int) and top_k < 0:
+        raise ValueError(f"top_k must be non-negative (0 keeps all); got {top_k}")
+    if isinstance(top_p, int | float) and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1]; got {top_p}")
+    values = {
+        "temperature": (temperature, dtype, jnp.floating),
+        "top_k": (0 if top_k is None else top_k, jnp.int32, jnp.integer),
+        "top_p": (1.0 if top_p is None else top_p, dtype, jnp.floating),
+    }
+    arrays = {}
+    for name, (value, want, kind) in values.items():
+        array = jnp.asarray(value)
+        # A Python int may stand for a float (temperature=1, top_p=1), not the reverse.
+        python_number = int if kind is jnp.integer else int | float
+        if not isinstance(value, python_number) and not jnp.issubdtype(
+            array.dtype, kind
+        ):
+            kind_name = "an integer" if kind is jnp.integer else "a floating-point"
+            raise TypeError(f"{name} must have {kind_name} dtype; got {array.dtype}")
+        if array.shape not in ((), (batch,)):
+            raise ValueError(
+                f"{name} must be a scalar or have shape (B,) = ({batch},), one value "
+                f"per row; got shape {tuple(array.shape)}"
+            )
+        arrays[name] = jnp.broadcast_to(array.astype(want), (batch,))
+    return SamplingParameters(**arrays)

@@ -1,0 +1,413 @@
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from .._checks import check_structure
+from .._failures import (
+    RESULTS,
+    Failure,
+    draft_failures,
+    empty_failed_rows,
+    first_failure,
+    positions_in_use,
+    raise_first_failure,
+    sampled_failure,
+    stopping_row_failures,
+)
+from .._numerics import as_index, flush_subnormal, index_array
+from .._prefix import PrefixCount
+from .._random import KeyArray
+from .._sampling import InverseCDF, sample_residual
+from .._step import (
+    InputArray,
+    StepOutput,
+    assemble_tokens,
+    optional_array,
+    optional_index_array,
+    resolve_uniforms,
+)
+from .._stopping_rows import stopping_row_summary
+from ._parameters import SamplingParameters, sampling_parameters
+from ._truncation import (
+    RowStatistics,
+    arithmetic_dtype,
+    loops_over_rows,
+    probability,
+    read_row,
+    row_statistics,
+)
+
+
+@final
+class LogitsStep(eqx.Module):
+    """The verification step from logits, as serving engines call it: one set of
+    sampling parameters per request, greedy and sampled requests in one batch, and no
+    probability array made.
+
+    Row $b$ verifies against the distributions its logits define under its own
+    temperature $T_b$, top-$k$ and top-$p$ (in that order, then renormalised: the
+    definition of [`speculax.probs_from_logits`][], and `docs/from_logits.md`):
+
+    - $T_b > 0$: rejection sampling, the rule of [`speculax.SpeculativeStep`][].
+        Draft token $x_i$ passes when $u_i \\, q_i(x_i) < p_i(x_i)$, and the
+        correction or bonus token is drawn by inverse CDF from
+        $\\max(p_n - q_n, 0)$ or $p_G$, where $p_i$ and $q_i$ are the target's and
+        the draft's logits under row $b$'s parameters. **The drafts must have been
+        sampled from exactly these $q_i$**: the draft logits under the same
+        temperature, top-$k$ and top-$p$.
+    - $T_b = 0$: greedy verification, the rule of [`speculax.greedy_step`][]: a
+        draft passes when it is the first argmax of the target's logits, and the
+        token drawn is the argmax at the stopping position. The draft logits are not
+        read.
+
+    Row by row the answer is that of [`speculax.probs_from_logits`][] followed by the
+    step, and never depends on the other rows' parameters. The row statistics (the
+    largest logit, the thresholds, the normaliser) take one pass over each row of
+    logits; only the two rows drawn from are turned into probabilities, `(B, V)`
+    each.
+
+    **Arguments:**
+
+    - `check_values`: keyword only, whether to run the value checks (the ragged
+        lengths, the tokens, the uniforms, the parameters, and NaN, $+\\infty$ or
+        rows all $-\\infty$ in the logits the step reads) as Equinox runtime errors.
+        Default `True`.
+    - `throw`: keyword only, as for [`speculax.SpeculativeStep`][]: `False` returns
+        one [`speculax.RESULTS`][] item per row instead of raising, a failed row
+        emptied. Default `True`; `False` needs `check_values`.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import speculax
+
+    step = speculax.LogitsStep()
+    target_logits = jax.random.normal(jax.random.key(0), (3, 3, 50))
+    draft_logits = jax.random.normal(jax.random.key(1), (3, 2, 50))
+    out = step(
+        jnp.array([[4, 7], [1, 2], [9, 9]]),
+        draft_logits,
+        target_logits,
+        temperature=jnp.array([0.0, 0.7, 1.0]),  # row 0 is greedy
+        top_k=jnp.array([0, 20, 0]),
+        top_p=jnp.array([1.0, 1.0, 0.9]),
+        key=jax.random.key(2),
+    )
+    assert out["tokens"].shape == (3, 3)
+    ```
+    """
+
+    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
+    throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    def __check_init__(self):
+        if not self.check_values and not self.throw:
+            raise ValueError("throw=False needs check_values=True")
+
+    def __call__(
+        self,
+        draft_tokens: InputArray,
+        draft_logits: InputArray | None,
+        target_logits: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        temperature: ArrayLike = 1.0,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
+        key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
+    ) -> StepOutput:
+        """Runs the step on a batch of $B$ rows, $G$ draft positions and a
+        vocabulary of $V$; structure is checked before any arithmetic, as for
+        [`speculax.SpeculativeStep.__call__`][].
+
+        **Arguments:**
+
+        - `draft_tokens`: integer `(B, G)`, $x_i$, each in `[0, V)`.
+        - `draft_logits`: float `(B, G, V)`, the draft model's logits at each
+            draft position, any float dtype; or `None` for deterministic drafts
+            ($q_i$ the one-hot of $x_i$).
+        - `target_logits`: float `(B, G + 1, V)`, the target model's logits, the
+            last position following the last draft.
+        - `accept_uniforms`, `sample_uniforms`: float `(B, G)` and `(B,)` in
+            `[0, 1)`; may be omitted when `key` is given.
+        - `temperature`, `top_k`, `top_p`: keyword only, each a Python number, a
+            scalar or an array of shape `(B,)`, one value per row, which may be
+            traced: one compilation serves every mix. `temperature` $\\ge 0$, `0`
+            meaning greedy (default `1`); `top_k` $\\ge 0$, `0` or at least $V$
+            keeping all (`None`, the default, is `0`); `top_p` in `(0, 1]`, `1`
+            keeping all (`None`, the default, is `1`).
+        - `key`: keyword only, a PRNG key (one, or one per row) to draw the uniforms
+            from with [`speculax.uniforms`][].
+        - `num_draft_tokens`: keyword only, integer `(B,)` in `[0, G]`, for a ragged
+            batch: the logits at and past a row's length are not read (they may hold
+            anything).
+
+        **Returns:**
+
+        A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)`, `tokens`
+        int32 `(B, G + 1)` and `result`.
+
+        **Raises:**
+
+        `ValueError` or `TypeError` for a structure that does not fit, or a Python
+        number out of range among the parameters; with `check_values=True` and
+        `throw=True`, an Equinox runtime error (a `RuntimeError`) naming the first
+        failing check in the order of `docs/specification.md`'s table.
+        """
+        draft_tokens = index_array(draft_tokens)
+        target_logits = jnp.asarray(target_logits)
+        draft_logits = optional_array(draft_logits)
+        num_draft_tokens = optional_index_array(num_draft_tokens)
+        accept_uniforms = optional_array(accept_uniforms)
+        sample_uniforms = optional_array(sample_uniforms)
+        check_structure(
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            accept_uniforms,
+            sample_uniforms,
+            num_draft_tokens,
+            given_as="logits",
+        )
+        draft_tokens = as_index(draft_tokens)
+        if num_draft_tokens is not None:
+            num_draft_tokens = as_index(num_draft_tokens)
+        batch, num_draft, vocab = target_logits.shape
+        num_draft -= 1
+        parameters = sampling_parameters(
+            temperature, top_k, top_p, batch, arithmetic_dtype(target_logits)
+        )
+        accept_uniforms, sample_uniforms = resolve_uniforms(
+            draft_tokens.shape,
+            accept_uniforms,
+            sample_uniforms,
+            key,
+            ("LogitsStep", "LogitsStep"),
+        )
+        if batch == 0:
+            empty = jnp.zeros((0,), jnp.int32)
+            return {
+                "num_accepted": empty,
+                "tokens": jnp.zeros((0, num_draft + 1), jnp.int32),
+                "result": first_failure([], 0),
+            }
+        length = (
+            jnp.full((batch,), num_draft, jnp.int32)
+            if num_draft_tokens is None
+            else jnp.clip(num_draft_tokens, 0, num_draft)
+        )
+        in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
+        target = _statistics(target_logits, parameters)
+        draft = None if draft_logits is None else _statistics(draft_logits, parameters)
+        passed = _verdicts(
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            accept_uniforms,
+            parameters,
+            target,
+            draft,
+        )
+        num_accepted = PrefixCount()(passed & in_use)
+        drawn, row_failures = _draw(
+            num_accepted,
+            length,
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            sample_uniforms,
+            parameters,
+            target,
+            draft,
+        )
+        failures: list[Failure] = []
+        if self.check_values:
+            failures = [
+                *draft_failures(
+                    draft_tokens,
+                    accept_uniforms,
+                    sample_uniforms,
+                    num_draft_tokens,
+                    vocab,
+                ),
+                *parameters.failures(),
+                *_logits_failures(length, parameters, target, draft),
+                *row_failures,
+                sampled_failure(drawn, vocab),
+            ]
+        result = first_failure(failures, batch)
+        output: StepOutput = {
+            "num_accepted": num_accepted.astype(jnp.int32),
+            "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
+            "result": result,
+        }
+        if not self.check_values:
+            return output
+        if self.throw:
+            return raise_first_failure(output, result)
+        return empty_failed_rows(output, result)
+
+
+def _statistics(
+    logits: Float[Array, "batch positions vocab"], parameters: SamplingParameters
+) -> RowStatistics:
+    """The row statistics of every position, shape `(batch, positions)`."""
+    batch, positions, vocab = logits.shape
+
+    def per_row(x):
+        return jnp.repeat(x, positions, total_repeat_length=batch * positions)
+
+    statistics = row_statistics(
+        logits.reshape(batch * positions, vocab),
+        per_row(parameters.temperature),
+        per_row(parameters.top_k),
+        per_row(parameters.top_p),
+    )
+    return jax.tree.map(lambda x: x.reshape(batch, positions), statistics)
+
+
+def _verdicts(
+    draft_tokens: Int[Array, "batch draft"],
+    draft_logits: Float[Array, "batch draft vocab"] | None,
+    target_logits: Float[Array, "batch draft+1 vocab"],
+    accept_uniforms: Float[Array, "batch draft"],
+    parameters: SamplingParameters,
+    target: RowStatistics,
+    draft: RowStatistics | None,
+) -> Bool[Array, "batch draft"]:
+    """Each draft's test: $u_i \\, q_i(x_i) < p_i(x_i)$ for sampled rows (the
+    probabilities below the smallest normal number counting as zero, as for
+    probabilities given), $x_i = \\arg\\max$ for greedy ones."""
+    batch, num_draft = draft_tokens.shape
+    if num_draft == 0:
+        return jnp.zeros((batch, 0), bool)
+    vocab = target_logits.shape[-1]
+    tokens = jnp.clip(draft_tokens, 0, vocab - 1)
+    temperature = parameters.temperature[:, None]
+
+    def at_tokens(logits, statistics):
+        logit = jnp.take_along_axis(logits[:, :num_draft], tokens[..., None], axis=-1)
+        statistics = jax.tree.map(lambda x: x[:, :num_draft], statistics)
+        return flush_subnormal(
+            probability(logit[..., 0], tokens, statistics, temperature)
+        )
+
+    target_probability = at_tokens(target_logits, target)
+    draft_probability = (
+        jnp.ones_like(target_probability)
+        if draft_logits is None or draft is None
+        else at_tokens(draft_logits, draft)
+    )
+    sampled = accept_uniforms * draft_probability < target_probability
+    greedy = draft_tokens == target.argmax[:, :num_draft]
+    return jnp.where(parameters.greedy[:, None], greedy, sampled)
+
+
+def _draw(
+    num_accepted: Int[Array, " batch"],
+    length: Int[Array, " batch"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_logits: Float[Array, "batch draft vocab"] | None,
+    target_logits: Float[Array, "batch draft+1 vocab"],
+    sample_uniforms: Float[Array, " batch"],
+    parameters: SamplingParameters,
+    target: RowStatistics,
+    draft: RowStatistics | None,
+) -> tuple[Int[Array, " batch"], list[Failure]]:
+    """The token at each row's stopping position $n$: the argmax of the target's
+    logits for greedy rows; for sampled rows, drawn from $\\max(p_n - q_n, 0)$ (or
+    $p_n$ when $n$ is the row's length) by the fused residual and inverse CDF of the
+    probability step, on the rows $p_n$ and $q_n$ made from the logits, so that the
+    same rows give the same token, bit for bit."""
+    batch, num_draft = draft_tokens.shape
+    rows = jnp.arange(batch)
+    # The draft row at n < length; at n = length it is not subtracted.
+    subtracting = num_accepted < length
+    draft_position = jnp.minimum(num_accepted, max(num_draft - 1, 0))
+    target_row = _probability_rows(
+        target_logits, num_accepted, target, parameters.temperature
+    )
+    draft_row = None
+    if draft_logits is not None and draft is not None and num_draft > 0:
+        draft_row = _probability_rows(
+            draft_logits, draft_position, draft, parameters.temperature
+        )[:, None]
+    rejected = None
+    if num_draft > 0:
+        rejected = jnp.take_along_axis(draft_tokens, draft_position[:, None], axis=1)
+    summary = stopping_row_summary(
+        jnp.zeros((batch,), jnp.int32),
+        draft_row,
+        target_row[:, None],
+        block_size=InverseCDF().block_size,
+        num_draft_tokens=subtracting.astype(jnp.int32),
+        draft_tokens=rejected,
+    )
+    sampled = sample_residual(summary, sample_uniforms, None)
+    greedy = target.argmax[rows, num_accepted]
+    drawn = jnp.where(parameters.greedy, greedy, sampled)
+    failures = [
+        (where & ~parameters.greedy, failure)
+        for where, failure in stopping_row_failures(summary.row_mass)
+    ]
+    return drawn, failures
+
+
+def _probability_rows(
+    logits: Float[Array, "batch positions vocab"],
+    position: Int[Array, " batch"],
+    statistics: RowStatistics,
+    temperature: Float[Array, " batch"],
+) -> Float[Array, "batch vocab"]:
+    """The distribution of each row's logits at `position`, one `(batch, vocab)`
+    array and nothing else that size."""
+    batch, _, vocab = logits.shape
+    tokens = jnp.arange(vocab)
+    rows = jnp.arange(batch)
+    at_position = jax.tree.map(lambda x: x[rows, position], statistics)
+    if not loops_over_rows():
+        return probability(
+            logits[rows, position],
+            tokens[None, :],
+            jax.tree.map(lambda x: x[:, None], at_position),
+            temperature[:, None],
+        )
+
+    def one_row(b):
+        row_statistics = jax.tree.map(lambda x: x[b], at_position)
+        row = read_row(logits, b, position[b])
+        return probability(row, tokens, row_statistics, temperature[b])
+
+    return jax.lax.map(one_row, rows)
+
+
+def _logits_failures(
+    length: Int[Array, " batch"],
+    parameters: SamplingParameters,
+    target: RowStatistics,
+    draft: RowStatistics | None,
+) -> list[Failure]:
+    """NaN, $+\\infty$ or no finite value in the rows the step reads: the target's
+    positions up to each row's length, the draft's below it (sampled rows only)."""
+    positions = target.maximum.shape[1]
+    target_read = jnp.arange(positions)[None, :] <= length[:, None]
+    bad = [(jnp.any(target.bad & target_read, axis=1), RESULTS.bad_target_logits)]
+    empty = [
+        (jnp.any(target.empty & target_read, axis=1), RESULTS.no_finite_target_logit)
+    ]
+    if draft is not None:
+        draft_read = (jnp.arange(positions - 1)[None, :] < length[:, None]) & (
+            ~parameters.greedy[:, None]
+        )
+        bad.append((jnp.any(draft.bad & draft_read, axis=1), RESULTS.bad_draft_logits))
+        empty.append(
+            (jnp.any(draft.empty & draft_read, axis=1), RESULTS.no_finite_draft_logit)
+        )
+    return bad + empty

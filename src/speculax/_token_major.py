@@ -1,0 +1,160 @@
+"""The token-major ragged layout serving engines pass speculative batches in, and the
+padded layout of the steps.
+
+vLLM and its TPU backend flatten a batch request by request: request $b$'s $g_b$
+draft tokens follow those of requests $0, \\ldots, b - 1$, with no padding, and its
+target rows likewise, $g_b + 1$ of them when the bonus position is included. The
+steps take rectangular arrays with `num_draft_tokens`; these two functions convert
+between the two, under `jit`, the lengths traced.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Int, Shaped
+
+
+def from_token_major(
+    values: Shaped[Array, "tokens *rest"],
+    num_draft_tokens: ArrayLike,
+    *,
+    num_draft: int,
+    bonus: bool = False,
+    fill: float = 0,
+) -> Shaped[Array, "batch positions *rest"]:
+    """The padded layout of token-major `values`: request $b$'s rows, consecutive in
+    `values`, become row $b$, padded with `fill`.
+
+    **Arguments:**
+
+    - `values`: the rows of every request, request by request, along the first axis
+        (draft tokens `(T,)`, draft logits `(T, V)`, ...). Rows past the last
+        request's are ignored, so engines' buffers padded to a fixed size may be
+        passed whole.
+    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, num_draft]`.
+    - `num_draft`: keyword only, $G$, the padded number of draft positions.
+    - `bonus`: keyword only, whether each request holds one more row than it has
+        drafts, $g_b + 1$ (the target's rows, the last following its last draft);
+        then the output has $G + 1$ positions.
+    - `fill`: keyword only, the value of the padding; `-1` suits tokens. The steps
+        do not read the padding, whatever it holds.
+
+    **Returns:**
+
+    An array of shape `(B, G, *rest)` (`(B, G + 1, *rest)` with `bonus`), the dtype
+    of `values`.
+
+    **Raises:**
+
+    An Equinox runtime error (a `RuntimeError`) when a length lies outside
+    `[0, num_draft]` or the requests need more rows than `values` has.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    # Three requests with 2, 0 and 3 draft tokens, flattened.
+    flat = jnp.array([11, 12, 31, 32, 33])
+    padded = speculax.from_token_major(flat, jnp.array([2, 0, 3]), num_draft=3, fill=-1)
+    assert padded.tolist() == [[11, 12, -1], [-1, -1, -1], [31, 32, 33]]
+    ```
+    """
+    values = jnp.asarray(values)
+    lengths, starts = _checked_layout(num_draft_tokens, num_draft, bonus)
+    positions = num_draft + int(bonus)
+    used = jnp.arange(positions)[None, :] < lengths[:, None]
+    used = eqx.error_if(
+        used,
+        jnp.sum(lengths) > values.shape[0],
+        "num_draft_tokens needs more rows than values has",
+    )
+    if values.shape[0] == 0:
+        shape = (lengths.shape[0], positions, *values.shape[1:])
+        return jnp.full(shape, fill, values.dtype)
+    index = jnp.where(used, starts[:, None] + jnp.arange(positions)[None, :], 0)
+    used = used.reshape(used.shape + (1,) * (values.ndim - 1))
+    return jnp.where(used, values[index], jnp.asarray(fill, values.dtype))
+
+
+def to_token_major(
+    padded: Shaped[Array, "batch positions *rest"],
+    num_draft_tokens: ArrayLike,
+    *,
+    num_tokens: int,
+    bonus: bool = False,
+    fill: float = 0,
+) -> Shaped[Array, "tokens *rest"]:
+    """The token-major layout of `padded`, the inverse of
+    [`speculax.from_token_major`][]: row $b$'s first $g_b$ positions ($g_b + 1$ with
+    `bonus`), request after request, then `fill` up to `num_tokens` rows.
+
+    **Arguments:**
+
+    - `padded`: shape `(B, G, *rest)`, or `(B, G + 1, *rest)` with `bonus`.
+    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, G]`.
+    - `num_tokens`: keyword only, the number of rows of the output, at least the
+        total used (a static size, as engines' buffers are).
+    - `bonus`: keyword only, as for [`speculax.from_token_major`][].
+    - `fill`: keyword only, the value of the rows past the last request's.
+
+    **Returns:**
+
+    An array of shape `(num_tokens, *rest)`, the dtype of `padded`.
+
+    **Raises:**
+
+    An Equinox runtime error (a `RuntimeError`) when a length lies outside `[0, G]`
+    or the rows used number more than `num_tokens`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    padded = jnp.array([[11, 12, -1], [-1, -1, -1], [31, 32, 33]])
+    flat = speculax.to_token_major(padded, jnp.array([2, 0, 3]), num_tokens=6)
+    assert flat.tolist() == [11, 12, 31, 32, 33, 0]
+    ```
+    """
+    padded = jnp.asarray(padded)
+    batch, positions = padded.shape[:2]
+    lengths, starts = _checked_layout(num_draft_tokens, positions - int(bonus), bonus)
+    flat = jnp.arange(num_tokens)
+    used = flat < jnp.sum(lengths)
+    used = eqx.error_if(
+        used,
+        jnp.sum(lengths) > num_tokens,
+        "num_draft_tokens needs more rows than num_tokens",
+    )
+    if batch == 0:
+        return jnp.full((num_tokens, *padded.shape[2:]), fill, padded.dtype)
+    # The request each flat row belongs to: the number of requests ending at or
+    # before it.
+    request = jnp.minimum(
+        jnp.searchsorted(starts + lengths, flat, side="right"), batch - 1
+    )
+    position = jnp.clip(flat - starts[request], 0, positions - 1)
+    used = used.reshape(used.shape + (1,) * (padded.ndim - 2))
+    return jnp.where(used, padded[request, position], jnp.asarray(fill, padded.dtype))
+
+
+def _checked_layout(
+    num_draft_tokens: ArrayLike, num_draft: int, bonus: bool
+) -> tuple[Int[Array, " batch"], Int[Array, " batch"]]:
+    """Each request's number of rows and the index of its first, after checking the
+    lengths lie in `[0, num_draft]`."""
+    lengths = jnp.asarray(num_draft_tokens)
+    if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"num_draft_tokens must be an integer array of shape (B,); got "
+            f"{lengths.dtype} of shape {tuple(lengths.shape)}"
+        )
+    lengths = eqx.error_if(
+        lengths,
+        (lengths < 0) | (lengths > num_draft),
+        f"num_draft_tokens must lie in [0, {num_draft}]; got a length outside it",
+    )
+    rows = lengths.astype(jnp.int32) + int(bonus)
+    return rows, jnp.cumsum(rows) - rows
