@@ -147,10 +147,10 @@ def read_row(
     hoists the conversion of a half-precision array out of the loop, converting the
     whole array to float32 first (twice its size, and an extra pass).
     """
-    logits, *index = jax.lax.optimization_barrier((logits, *index))
+    logits, position = jax.lax.optimization_barrier((logits, index))
     vocab = logits.shape[-1]
-    start = (*index, jnp.zeros((), jnp.asarray(index[0]).dtype))
-    row = jax.lax.dynamic_slice(logits, start, (1,) * len(index) + (vocab,))
+    start = (*position, jnp.zeros((), jnp.asarray(position[0]).dtype))
+    row = jax.lax.dynamic_slice(logits, start, (1,) * len(position) + (vocab,))
     return row.reshape(vocab).astype(arithmetic_dtype(logits))
 
 
