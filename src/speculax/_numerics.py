@@ -10,6 +10,12 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 
+def arithmetic_dtype(*arrays: Array | None) -> jnp.dtype:
+    """float32 for half- and single-precision arrays, float64 where one of them is
+    float64 (under x64); `None` is skipped."""
+    return jnp.result_type(jnp.float32, *(x.dtype for x in arrays if x is not None))
+
+
 def upcast(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     """Casts half-precision values to float32 (float32 and float64 stay as they are)
     and counts every value below the smallest normal number of that arithmetic dtype

@@ -294,13 +294,10 @@ def _row_block_sums(
         def one_row(b):
             # Explicit int32 indices: dynamic_slice wants one index type, and under
             # x64 Python ints would become int64.
-            zero = jnp.zeros((), jnp.int32)
             stop = num_accepted[b].astype(jnp.int32)
-            target_row = _slice_row(target_probs, b, stop, zero)
+            target_row = read_row(target_probs, b, stop)
             if draft_probs is not None and num_draft > 0:
-                draft_row = _slice_row(
-                    draft_probs, b, jnp.minimum(stop, num_draft - 1), zero
-                )
+                draft_row = read_row(draft_probs, b, jnp.minimum(stop, num_draft - 1))
             elif rejected is not None:
                 draft_row = one_hot_over_vocab(
                     rejected[b], vocab, target_row.dtype, None
@@ -362,12 +359,12 @@ def _half(*arrays: Array) -> bool:
     return any(x.dtype.itemsize < 4 for x in arrays)
 
 
-def _slice_row(
-    probs: Float[Array, "batch position vocab"],
+def read_row(
+    probs: Float[Array, "batch positions vocab"],
     b: Int[Array, ""],
     position: Int[Array, ""],
-    zero: Int[Array, ""],
 ) -> Float[Array, " vocab"]:
-    """`probs[b, position]` by `dynamic_slice`, upcast."""
+    """`probs[b, position]`, upcast, read in place by `dynamic_slice`."""
+    zero = jnp.zeros((), jnp.int32)
     row = jax.lax.dynamic_slice(probs, (b, position, zero), (1, 1, probs.shape[-1]))
     return upcast(row[0, 0])

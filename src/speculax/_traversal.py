@@ -11,15 +11,14 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._block import block_continuation, next_ratio
 from ._failures import holds_bad_values, not_a_probability
-from ._numerics import flush_subnormal, upcast
+from ._numerics import arithmetic_dtype, flush_subnormal, upcast
 from ._sampling import AbstractSampler, InverseCDF
+from ._stopping_rows import read_row
 from ._tree import (
     AbstractSiblingRule,
     AbstractTreeStep,
     IndependentSiblings,
     TreeWalk,
-    arithmetic_dtype,
-    read_row,
     start_walk,
 )
 from ._vocab_axis import one_hot_over_vocab, ordered_row_sums

@@ -21,6 +21,7 @@ from ._failures import (
     raise_first_failure,
 )
 from ._numerics import (
+    arithmetic_dtype,
     as_index,
     flush_subnormal,
     index_array,
@@ -30,7 +31,7 @@ from ._numerics import (
 from ._random import KeyArray
 from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
 from ._step import InputArray, optional_array, resolve_uniforms
-from ._stopping_rows import summary_loops_over_rows, summation_lanes
+from ._stopping_rows import read_row, summary_loops_over_rows, summation_lanes
 from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
 
 
@@ -148,15 +149,6 @@ class TreeWalk(eqx.Module):
     bad_draft_row: Bool[Array, ""]
     # Whether what a rejected child left summed past the largest float.
     overflow: Bool[Array, ""]
-
-
-def arithmetic_dtype(
-    draft_probs: Float[Array, "..."] | None, target_probs: Float[Array, "..."]
-) -> jnp.dtype:
-    """float32 for half and single precision inputs, float64 where either array is
-    float64."""
-    dtypes = [target_probs.dtype] + ([] if draft_probs is None else [draft_probs.dtype])
-    return jnp.result_type(jnp.float32, *dtypes)
 
 
 def start_walk(vocab: int, dtype: jnp.dtype, max_depth: int) -> TreeWalk:
@@ -541,17 +533,6 @@ class TreeStep(AbstractTreeStep):
 
         start = start_walk(vocab, dtype, max_depth)
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
-
-
-def read_row(
-    probs: Float[Array, "batch positions vocab"],
-    b: Int[Array, ""],
-    node: Int[Array, ""],
-) -> Float[Array, " vocab"]:
-    """Row `node` of tree `b`, upcast, read in place by `dynamic_slice`."""
-    zero = jnp.zeros((), jnp.int32)
-    sliced = jax.lax.dynamic_slice(probs, (b, node, zero), (1, 1, probs.shape[-1]))
-    return upcast(sliced[0, 0])
 
 
 def _check_tree_structure(
