@@ -20,7 +20,10 @@ from speculax._bench import (
     floor,
     format_table,
     make_inputs,
+    make_logits_inputs,
     make_tree_inputs,
+    verify_from_logits,
+    verify_through_probs,
 )
 
 
@@ -33,6 +36,8 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         "2x2x300:deterministic",
         "2x2x300:greedy",
         "2x25x300:tree",
+        "2x2x300:logits",
+        "2x2x300:bfloat16:truncated",
     ]
     status = main(["bench", "--sizes", *sizes, "--repeats", "1", "--json"])
     assert status == 0
@@ -45,6 +50,8 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         "2x2x300:float32:deterministic",
         "2x2x300:float32:greedy",
         "2x25x300:float32:tree",
+        "2x2x300:float32:logits",
+        "2x2x300:bfloat16:truncated",
     ]
     for row in rows:
         for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s"):
@@ -53,7 +60,7 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
         assert 0 <= row["temp_bytes"] <= row["temp_limit_bytes"]
     table = format_table(rows)
-    assert table.count("\n") == 6 and "| 2 | 3 | 300 | float32 | default |" in table
+    assert table.count("\n") == 8 and "| 2 | 3 | 300 | float32 | default |" in table
     assert "| 2 | 2 | 300 | float32 | greedy |" in table
 
 
@@ -116,6 +123,18 @@ def test_the_variants_baselines_agree_with_their_steps(seed):
     explicit = step(tokens, one_hot, target, accept, sample)
     for name in ("num_accepted", "tokens"):
         np.testing.assert_array_equal(deterministic[name], explicit[name])
+
+
+@pytest.mark.parametrize("variant", ["logits", "truncated"])
+def test_the_logits_baseline_agrees_with_the_logits_step(variant):
+    """Verifying from logits and through probs_from_logits give one answer: the
+    bench's comparison is of the same computation."""
+    inputs = make_logits_inputs(Size(6, 3, 700, variant=variant), seed=6)
+    got = jax.jit(verify_from_logits)(*inputs)
+    expected = jax.jit(verify_through_probs)(*inputs)
+    for name in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(got[name], expected[name])
+    assert np.asarray(got["num_accepted"]).max() > 0
 
 
 def test_the_tree_baseline_agrees_with_the_tree_step():

@@ -312,6 +312,33 @@ def test_truncation_without_sorting_is_truncation_by_sorting(seed):
         np.testing.assert_allclose(probs[b], expected, atol=2e-6)
 
 
+@pytest.mark.parametrize("spread", [0.3, 3.0], ids=["flat", "peaked"])
+def test_the_searches_read_few_groups_or_the_whole_row_alike(spread):
+    """At V = 10240 (640 groups of 16 tokens): rows whose kept tokens lie in a few
+    groups are searched there, flat ones (and a top-k above the number of groups)
+    whole; both agree with truncation by sorting."""
+    from speculax._logits._truncation import GROUP_SIZE, SEARCHED_GROUPS
+
+    vocab = 10240
+    assert vocab // GROUP_SIZE > SEARCHED_GROUPS
+    rng = np.random.default_rng(12)
+    logits = spread * rng.standard_normal((5, vocab))
+    parameters = {
+        "temperature": np.array([1.0, 0.8, 1.2, 0.9, 1.0], np.float32),
+        "top_k": np.array([5, 0, 30, 100, 2000], np.int32),
+        "top_p": np.array([1.0, 0.9, 0.95, 0.5, 1.0], np.float32),
+    }
+    probs = np.asarray(
+        speculax.probs_from_logits(jnp.asarray(logits, jnp.float32), **parameters)
+    )
+    for b in range(5):
+        expected = reference_probs_from_logits(
+            logits[b].astype(np.float32), **_row_parameters(parameters, b)
+        )
+        np.testing.assert_array_equal(probs[b] > 0, expected > 0)
+        np.testing.assert_allclose(probs[b], expected, atol=2e-6)
+
+
 # --- Bad input -----------------------------------------------------------------------
 
 
@@ -377,6 +404,41 @@ def test_bad_values_raise_or_empty_their_row(case, name, b, value, index):
     np.testing.assert_array_equal(
         np.asarray(out["tokens"])[others], np.asarray(good["tokens"])[others]
     )
+
+
+def test_every_failure_from_logits_has_a_case():
+    logits_failures = {
+        "temperature_out_of_range",
+        "top_k_out_of_range",
+        "top_p_out_of_range",
+        "bad_target_logits",
+        "bad_draft_logits",
+        "no_finite_target_logit",
+        "no_finite_draft_logit",
+    }
+    assert set(RESULTS_OF.values()) == logits_failures
+    for name in logits_failures:
+        assert getattr(speculax.RESULTS, name) != speculax.RESULTS.successful
+
+
+def test_a_row_reports_its_first_failure_in_the_order_of_the_table():
+    """A parameter before the logits, target before draft, NaN before all -inf,
+    and the shared checks (tokens, uniforms) before all of them."""
+    batch = _mixed_batch(6, "float32", "sampled", False)
+    steps = [
+        ("target_logits", 1, -np.inf, (3,), "no_finite_target_logit"),
+        ("draft_logits", 1, np.nan, (0, 1), "bad_draft_logits"),
+        ("target_logits", 1, np.nan, (0, 1), "bad_target_logits"),
+        ("top_p", 1, 2.0, None, "top_p_out_of_range"),
+        ("top_k", 1, -1, None, "top_k_out_of_range"),
+        ("temperature", 1, -1.0, None, "temperature_out_of_range"),
+        ("sample_uniforms", 1, 1.5, None, "sample_uniform_out_of_range"),
+        ("draft_tokens", 1, VOCAB, (0,), "draft_token_out_of_range"),
+    ]
+    for name, b, value, index, expected in steps:
+        batch = _bad(batch, name, b, value, index)
+        result = _run(_returning_step, batch)["result"]
+        assert (result == getattr(speculax.RESULTS, expected))[b], expected
 
 
 def test_logits_the_step_does_not_read_may_hold_anything():

@@ -632,4 +632,6 @@ __all__ = [
     "make_inputs",
     "make_logits_inputs",
     "run_bench",
+    "verify_from_logits",
+    "verify_through_probs",
 ]

@@ -19,7 +19,7 @@ def from_token_major(
     *,
     num_draft: int,
     bonus: bool = False,
-    fill: float = 0,
+    fill: int | float = 0,
 ) -> Shaped[Array, "batch positions *rest"]:
     """The padded layout of token-major `values`: request $b$'s rows, consecutive in
     `values`, become row $b$, padded with `fill`.
@@ -83,7 +83,7 @@ def to_token_major(
     *,
     num_tokens: int,
     bonus: bool = False,
-    fill: float = 0,
+    fill: int | float = 0,
 ) -> Shaped[Array, "tokens *rest"]:
     """The token-major layout of `padded`, the inverse of
     [`speculax.from_token_major`][]: row $b$'s first $g_b$ positions ($g_b + 1$ with

@@ -2,6 +2,7 @@
 one value per row, checked."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
@@ -72,4 +73,23 @@ def sampling_parameters(
                 f"per row; got shape {tuple(array.shape)}"
             )
         arrays[name] = jnp.broadcast_to(array.astype(want), (batch,))
+    arrays["temperature"] = _without_subnormals(arrays["temperature"])
     return SamplingParameters(**arrays)
+
+
+def _without_subnormals(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
+    """`x` with each subnormal value replaced by the smallest normal number of its
+    sign. XLA CPU reads subnormal operands as zero, which would make a positive
+    temperature below the smallest normal greedy; as the smallest normal it gives the
+    same limit as any temperature too small to tell the largest logits apart. Decided
+    on the bits, which no flushing touches."""
+    bits_dtype = jnp.int32 if x.dtype.itemsize == 4 else jnp.int64
+    bits = jax.lax.bitcast_convert_type(x, bits_dtype)
+    smallest = jnp.finfo(x.dtype).smallest_normal
+    magnitude = bits & jnp.iinfo(bits_dtype).max
+    smallest_bits = jax.lax.bitcast_convert_type(
+        jnp.asarray(smallest, x.dtype), bits_dtype
+    )
+    subnormal = (magnitude > 0) & (magnitude < smallest_bits)
+    replacement = jnp.where(bits > 0, smallest, -smallest).astype(x.dtype)
+    return jnp.where(subnormal, replacement, x)

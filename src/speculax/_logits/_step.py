@@ -36,7 +36,7 @@ from ._truncation import (
     arithmetic_dtype,
     loops_over_rows,
     probability,
-    read_row,
+    read_logits_row,
     row_statistics,
 )
 
@@ -292,12 +292,14 @@ def _verdicts(
     tokens = jnp.clip(draft_tokens, 0, vocab - 1)
     temperature = parameters.temperature[:, None]
 
+    rows = jnp.arange(batch)[:, None]
+    positions = jnp.arange(num_draft)[None, :]
+
     def at_tokens(logits, statistics):
-        logit = jnp.take_along_axis(logits[:, :num_draft], tokens[..., None], axis=-1)
+        # A point gather, not a slice of the logits: XLA CPU would copy the slice.
+        logit = logits[rows, positions, tokens]
         statistics = jax.tree.map(lambda x: x[:, :num_draft], statistics)
-        return flush_subnormal(
-            probability(logit[..., 0], tokens, statistics, temperature)
-        )
+        return flush_subnormal(probability(logit, tokens, statistics, temperature))
 
     target_probability = at_tokens(target_logits, target)
     draft_probability = (
@@ -382,7 +384,7 @@ def _probability_rows(
 
     def one_row(b):
         row_statistics = jax.tree.map(lambda x: x[b], at_position)
-        row = read_row(logits, b, position[b])
+        row = read_logits_row(logits, b, position[b])
         return probability(row, tokens, row_statistics, temperature[b])
 
     return jax.lax.map(one_row, rows)

@@ -18,9 +18,10 @@ never NaN), and the row keeps the tokens with $s_v \\ge \\tau$:
 Its probabilities are $e^{s_v} / Z$ on the kept tokens, $Z = \\sum_{s_v \\ge \\tau}
 e^{s_v}$. Temperature $0$ is greedy: the one-hot of the first largest logit.
 
-Both thresholds are found without sorting, by bisection over the 32-bit keys that
-order float32 values as integers: each step counts (top-$k$) or sums (top-$p$) one
-row against a candidate, at most 32 steps each, fewer when the interval is narrow.
+Both thresholds are found without sorting, by bisection over the integer keys that
+order float32 values (float64 under x64) as integers: each step counts (top-$k$) or
+sums (top-$p$) one row against a candidate, at most 32 steps each (64 for float64),
+fewer when the interval is narrow.
 On CPU the rows are processed two at a time, so that the repeated passes read a row
 from cache; see `docs/from_logits.md` for the cost.
 """
@@ -30,14 +31,14 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Shaped, UInt
+from jaxtyping import Array, Bool, Float, Int, UInt
 
-from .._numerics import BLOCK_SIZE
+from .._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
 
 
 class RowStatistics(eqx.Module):
     """What one pass over each row of logits yields, the same leading shape as the
-    rows: everything [`probability`][] needs besides a logit.
+    rows: everything `probability` needs besides a logit.
 
     - `maximum`: the largest logit $m$.
     - `argmax`: the first index holding it, the greedy token.
@@ -58,22 +59,20 @@ class RowStatistics(eqx.Module):
         return self.maximum == -jnp.inf
 
 
-def arithmetic_dtype(logits: Shaped[Array, "..."]) -> jnp.dtype:
-    """float32 for half-precision and float32 logits, float64 for float64 ones."""
-    return jnp.promote_types(logits.dtype, jnp.float32)
-
-
 def scaled_logits(
     logits: Float[Array, "..."],
     maximum: Float[Array, "..."],
     temperature: Float[Array, "..."],
 ) -> Float[Array, "..."]:
-    """$s = (\\ell - m) / T$, exactly $0$ where $\\ell = m$ (and never $-0$), in the
-    arithmetic dtype; $T = 0$ (greedy) is read as 1. Arguments broadcast."""
+    """$s = (\\ell - m) / T$, exactly $0$ where $\\ell = m$ (and never $-0$ or
+    subnormal), in the arithmetic dtype; $T = 0$ (greedy) is read as 1. Arguments
+    broadcast."""
     shifted = logits.astype(maximum.dtype) - maximum
     divisor = jnp.where(temperature > 0, temperature, 1).astype(maximum.dtype)
-    # Adding +0 turns -0 into +0, so that the bit patterns order the values.
-    return jnp.where(shifted == 0, 0, shifted / divisor) + 0
+    # Subnormal values flushed to zero, as XLA CPU compares them, and +0 added to
+    # turn -0 into +0: the integer keys of the values then order them as every
+    # comparison does.
+    return flush_subnormal(jnp.where(shifted == 0, 0, shifted / divisor)) + 0
 
 
 def probability(
@@ -97,7 +96,7 @@ def row_statistics(
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
 ) -> RowStatistics:
-    """The [`RowStatistics`][] of each row, a loop over chunks of rows (two on CPU,
+    """The `RowStatistics` of each row, a loop over chunks of rows (two on CPU,
     where the thresholds' repeated passes then read from cache; all at once
     elsewhere), reading each row from memory once. A chunk none of whose rows is
     truncated skips the threshold searches: temperature alone costs two passes over
@@ -117,11 +116,11 @@ def row_statistics(
     def one_chunk(first: Int[Array, ""]) -> RowStatistics:
         # The last chunk repeats the last row instead of reading past the array.
         rows = jnp.minimum(first + jnp.arange(chunk), num_rows - 1)
-        block = jnp.stack([read_row(logits, row) for row in rows])
+        block = jnp.stack([read_logits_row(logits, row) for row in rows])
         operands = (block, temperature[rows], top_k[rows], top_p[rows])
         return jax.lax.cond(
             jnp.any(truncating[rows]),
-            jax.vmap(_truncated_row),
+            _truncated_rows,
             jax.vmap(_untruncated_row),
             *operands,
         )
@@ -138,7 +137,7 @@ def loops_over_rows() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def read_row(
+def read_logits_row(
     logits: Float[Array, "*lead vocab"], *index: Int[Array, ""]
 ) -> Float[Array, " vocab"]:
     """`logits[index]` in the arithmetic dtype, by `dynamic_slice`, inside a loop.
@@ -154,6 +153,26 @@ def read_row(
     return row.reshape(vocab).astype(arithmetic_dtype(logits))
 
 
+class _Row(eqx.Module):
+    """What every statistic of a row starts from: one pass for the blocks' maxima,
+    the largest logit and its first index, one for the scaled logits' weights and
+    their sum $Z$ (the weights of a chunk of rows stay in cache)."""
+
+    blocks: Float[Array, "blocks block"]
+    maximum: Float[Array, ""]
+    argmax: Int[Array, ""]
+    scaled: Float[Array, " vocab"]
+    weights: Float[Array, " vocab"]
+    mass: Float[Array, ""]
+
+
+def _row(logits: Float[Array, " vocab"], temperature: Float[Array, ""]) -> _Row:
+    blocks, maximum, argmax = _blocks(logits)
+    scaled = scaled_logits(logits, maximum, temperature)
+    weights = jnp.exp(scaled)
+    return _Row(blocks, maximum, argmax, scaled, weights, jnp.sum(weights))
+
+
 def _untruncated_row(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
@@ -161,48 +180,187 @@ def _untruncated_row(
     top_p: Float[Array, ""],
 ) -> RowStatistics:
     del top_k, top_p
-    maximum, argmax = _maximum_and_first_argmax(logits)
-    scaled = scaled_logits(logits, maximum, temperature)
-    lowest = jnp.array(-jnp.inf, scaled.dtype)
-    total = _mass_from(scaled, jnp.exp(scaled), lowest)
-    return RowStatistics(maximum, argmax, lowest, total, _bad(maximum, total))
+    row = _row(logits, temperature)
+    return _statistics(row, jnp.array(-jnp.inf, row.mass.dtype), row.mass)
 
 
-def _truncated_row(
+def _statistics(
+    row: _Row, threshold: Float[Array, ""], total: Float[Array, ""]
+) -> RowStatistics:
+    return RowStatistics(
+        row.maximum, row.argmax, threshold, total, _bad(row.maximum, total)
+    )
+
+
+# The searches read a row in groups of `GROUP_SIZE` tokens, at most `SEARCHED_GROUPS`
+# of them; a row whose kept tokens may lie in more groups is searched whole.
+GROUP_SIZE = 16
+SEARCHED_GROUPS = 512
+
+
+def _truncated_rows(
+    logits: Float[Array, "rows vocab"],
+    temperature: Float[Array, " rows"],
+    top_k: Int[Array, " rows"],
+    top_p: Float[Array, " rows"],
+) -> RowStatistics:
+    """The statistics of a chunk of rows some of which are truncated.
+
+    The searches read only the groups of `GROUP_SIZE` tokens that can hold a kept
+    token: the groups' maxima bound the threshold from below (the $k$-th largest
+    group maximum for top-$k$; for top-$p$ alone, the largest group maximum whose
+    group maxima at or above it already hold the mass $p Z$), and a token below the
+    bound is never kept. For the peaked rows of language models that is a few
+    groups. Only when some row needs more than `SEARCHED_GROUPS`, or its bound does
+    not hold as summed, are the chunk's rows searched whole, and that row's answer
+    taken from there.
+    """
+    few, pruned = jax.vmap(_searched_in_few_blocks)(logits, temperature, top_k, top_p)
+
+    def searched_whole():
+        whole = jax.vmap(_searched_whole)(logits, temperature, top_k, top_p)
+        return jax.tree.map(lambda a, b: jnp.where(pruned, a, b), few, whole)
+
+    return jax.lax.cond(jnp.all(pruned), lambda: few, searched_whole)
+
+
+def _searched_in_few_blocks(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> tuple[RowStatistics, Bool[Array, ""]]:
+    """The statistics of a row searched in the groups that can hold a kept token,
+    and whether that sufficed (always, for a row that is not truncated)."""
+    vocab = logits.shape[0]
+    row = _row(logits, temperature)
+    truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
+    block_size = row.blocks.shape[1]
+    # A row shorter than a block is one block, which groups may not divide.
+    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
+    groups = row.blocks.reshape(-1, group_size)
+    group_maxima = _Values.of(
+        scaled_logits(jnp.max(groups, axis=-1), row.maximum, temperature)
+    )
+    lowest = _key(jnp.array(-jnp.inf, row.mass.dtype))
+    bound = jnp.where(
+        truncating_k,
+        _largest_holding(
+            group_maxima,
+            lambda key, count: count >= top_k,
+            lowest,
+            truncating_k & (top_k <= groups.shape[0]),
+        ),
+        _largest_holding(
+            group_maxima,
+            lambda key, count: group_maxima.mass(key) >= top_p * row.mass,
+            lowest,
+            truncating_p & ~truncating_k,
+        ),
+    )
+    candidate = group_maxima.keys >= bound
+    (chosen,) = jnp.nonzero(
+        candidate, size=min(SEARCHED_GROUPS, groups.shape[0]), fill_value=-1
+    )
+    few = jnp.take(groups, chosen, axis=0, mode="fill", fill_value=-jnp.inf)
+    values = _Values.of(scaled_logits(few.reshape(-1), row.maximum, temperature))
+    # The bound holds for the tokens read: exactly for a count; for a mass, as summed.
+    pruned = (jnp.sum(candidate) <= chosen.shape[0]) & (
+        truncating_k | (values.mass(bound) >= top_p * row.mass)
+    )
+    truncating = truncating_k | truncating_p
+    threshold, total = _search(
+        values,
+        row.mass,
+        bound,
+        truncating & pruned,
+        truncating_k,
+        truncating_p,
+        top_k,
+        top_p,
+    )
+    threshold = jnp.where(truncating, threshold, -jnp.inf)
+    total = jnp.where(truncating, total, row.mass)
+    return _statistics(row, threshold, total), pruned | ~truncating
+
+
+def _searched_whole(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
 ) -> RowStatistics:
-    vocab = logits.shape[0]
-    maximum, argmax = _maximum_and_first_argmax(logits)
+    row = _row(logits, temperature)
+    truncating_k, truncating_p = _truncating(logits.shape[0], temperature, top_k, top_p)
+    threshold, total = _search(
+        _Values(_key(row.scaled), row.weights),
+        row.mass,
+        _key(jnp.array(-jnp.inf, row.mass.dtype)),
+        truncating_k | truncating_p,
+        truncating_k,
+        truncating_p,
+        top_k,
+        top_p,
+    )
+    return _statistics(row, threshold, total)
+
+
+def _truncating(
+    vocab: int,
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> tuple[Bool[Array, ""], Bool[Array, ""]]:
+    """Whether the row's top-$k$, and its top-$p$, remove tokens."""
     sampling = temperature > 0
-    scaled = scaled_logits(logits, maximum, temperature)
-    weights = jnp.exp(scaled)
-    lowest = jnp.array(-jnp.inf, scaled.dtype)
+    return sampling & (top_k > 0) & (top_k < vocab), sampling & (top_p < 1)
+
+
+def _search(
+    values: "_Values",
+    mass: Float[Array, ""],
+    lowest: Int[Array, ""],
+    searching: Bool[Array, ""],
+    truncating_k: Bool[Array, ""],
+    truncating_p: Bool[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The threshold $\\tau$ and the kept mass $Z$, searched among `values` (all of
+    the row's scaled logits with keys at or above `lowest`; `mass` is the
+    untruncated total, for top-$p$ alone)."""
     top_k_threshold = _largest_holding(
-        lambda t: jnp.sum(scaled >= t) >= top_k,
-        lowest,
-        sampling & (top_k > 0) & (top_k < vocab),
+        values, lambda key, count: count >= top_k, lowest, searching & truncating_k
     )
-    top_k_mass = _mass_from(scaled, weights, top_k_threshold)
+    top_k_mass = jnp.where(truncating_k, values.mass(top_k_threshold), mass)
     threshold = _largest_holding(
-        lambda t: _mass_from(scaled, weights, t) >= top_p * top_k_mass,
+        values,
+        lambda key, count: values.mass(key) >= top_p * top_k_mass,
         top_k_threshold,
-        sampling & (top_p < 1),
+        searching & truncating_p,
     )
-    total = _mass_from(scaled, weights, threshold)
-    return RowStatistics(maximum, argmax, threshold, total, _bad(maximum, total))
+    return _value(threshold, mass.dtype), values.mass(threshold)
 
 
-def _mass_from(
-    scaled: Float[Array, " vocab"],
-    weights: Float[Array, " vocab"],
-    threshold: Float[Array, ""],
-) -> Float[Array, ""]:
-    """The sum of the weights of the tokens kept by `threshold`; NaN when a scaled
-    logit is NaN, since NaN is never below it."""
-    return jnp.sum(jnp.where(scaled < threshold, 0, weights))
+class _Values(eqx.Module):
+    """Scaled logits as the searches read them: their integer keys, which order
+    them with no flushing of subnormal candidates, and their weights."""
+
+    keys: Int[Array, " values"]
+    weights: Float[Array, " values"]
+
+    @classmethod
+    def of(cls, scaled: Float[Array, " values"]) -> "_Values":
+        return cls(_key(scaled), jnp.exp(scaled))
+
+    def count(self, key: Int[Array, ""]) -> Int[Array, ""]:
+        """How many values are at or above the value of `key`."""
+        return jnp.sum(self.keys >= key)
+
+    def mass(self, key: Int[Array, ""]) -> Float[Array, ""]:
+        """The weights of the values at or above the value of `key`; NaN when a
+        value is NaN (its key lies above every other)."""
+        return jnp.sum(jnp.where(self.keys < key, 0, self.weights))
 
 
 def _bad(maximum: Float[Array, ""], total: Float[Array, ""]) -> Bool[Array, ""]:
@@ -213,12 +371,13 @@ def _bad(maximum: Float[Array, ""], total: Float[Array, ""]) -> Bool[Array, ""]:
     return jnp.isnan(total) & (maximum != -jnp.inf)
 
 
-def _maximum_and_first_argmax(
+def _blocks(
     logits: Float[Array, " vocab"],
-) -> tuple[Float[Array, ""], Int[Array, ""]]:
-    """The largest logit and its first index, in one pass over the row: the blocks'
-    maxima, then the first block holding the largest, then the first index inside
-    it (as `first_argmax`, whose reasons hold here too)."""
+) -> tuple[Float[Array, "blocks block"], Float[Array, ""], Int[Array, ""]]:
+    """The row in blocks of `BLOCK_SIZE` (the last padded with $-\\infty$), its
+    largest logit and that logit's first index, in one pass over the row: the
+    blocks' maxima, then the first block holding the largest, then the first index
+    inside it (as `first_argmax`, whose reasons hold here too)."""
     vocab = logits.shape[0]
     block_size = min(BLOCK_SIZE, vocab)
     num_blocks = -(-vocab // block_size)
@@ -231,43 +390,58 @@ def _maximum_and_first_argmax(
     block = jnp.argmax(block_maxima == maximum)
     inside = jax.lax.dynamic_index_in_dim(blocks, block, keepdims=False)
     index = block * block_size + jnp.argmax(inside == maximum)
-    return maximum, index.astype(jnp.int32)
+    return blocks, maximum, index.astype(jnp.int32)
 
 
 def _largest_holding(
-    holds: Callable[[Float[Array, ""]], Bool[Array, ""]],
-    lowest: Float[Array, ""],
+    values: _Values,
+    holds: Callable[[Int[Array, ""], Int[Array, ""]], Bool[Array, ""]],
+    lowest: Int[Array, ""],
     searching: Bool[Array, ""],
-) -> Float[Array, ""]:
-    """The largest $t$ in $[$`lowest`$, 0]$ for which `holds`, a predicate true at
-    `lowest` and false above $0$ that turns from true to false once as $t$ grows; or
-    `lowest` when not `searching`. Bisection over the integer keys of the floats
-    (at most one step per bit), so the answer is exact: a value of the row, where
-    `holds` changes only at values of the row.
+) -> Int[Array, ""]:
+    """The key of the largest $t$ in $[$`lowest`$, 0]$ for which `holds(key,
+    count)` (`count` the number of `values` at or above $t$), a predicate true at
+    `lowest`, false above $0$, and turning from true to false once as $t$ grows, only
+    at `values`; or `lowest` when not `searching`.
+
+    Bisection over the integer keys, so that the answer is exact: the key of one of
+    the `values` (or `lowest`). It stops after one step per bit at most, or as soon
+    as one value is left between the bounds, which is then the answer: for the
+    distinct values of a real row, after about half the steps.
     """
-    low = _key(lowest)
+    zero = _key(jnp.zeros((), values.weights.dtype))
     # Just above +0, where no scaled logit lies.
-    high = jnp.where(searching, _key(jnp.zeros_like(lowest)) + 1, low + 1)
+    high = jnp.where(searching, zero + 1, lowest + 1)
+    state = (lowest, high, values.count(lowest), jnp.zeros((), jnp.int32))
 
     def narrowing(state):
-        low, high = state
-        return _distance(low, high) > 1
+        low, high, count_low, count_high = state
+        return (_distance(low, high) > 1) & (count_low - count_high > 1)
 
     def bisect(state):
-        low, high = state
+        low, high, count_low, count_high = state
         middle = low + (_distance(low, high) // 2).astype(low.dtype)
-        inside = holds(_value(middle, lowest.dtype))
-        return jnp.where(inside, middle, low), jnp.where(inside, high, middle)
+        count_middle = values.count(middle)
+        inside = holds(middle, count_middle)
+        return (
+            jnp.where(inside, middle, low),
+            jnp.where(inside, high, middle),
+            jnp.where(inside, count_middle, count_low),
+            jnp.where(inside, count_high, count_middle),
+        )
 
-    low, _ = jax.lax.while_loop(narrowing, bisect, (low, high))
-    return _value(low, lowest.dtype)
+    low, high, count_low, count_high = jax.lax.while_loop(narrowing, bisect, state)
+    # One value left in [low, high): the largest key below high.
+    last = jnp.max(jnp.where(values.keys < high, values.keys, low))
+    one_left = (_distance(low, high) > 1) & (count_low - count_high == 1)
+    return jnp.where(one_left, last, low)
 
 
 _KEY_DTYPES = {jnp.dtype(jnp.float32): jnp.int32, jnp.dtype(jnp.float64): jnp.int64}
 _UNSIGNED = {jnp.dtype(jnp.int32): jnp.uint32, jnp.dtype(jnp.int64): jnp.uint64}
 
 
-def _key(x: Float[Array, ""]) -> Int[Array, ""]:
+def _key(x: Float[Array, "*shape"]) -> Int[Array, "*shape"]:
     """An integer that orders like `x` (not NaN; $-0$ below $+0$)."""
     key_dtype = _KEY_DTYPES[jnp.dtype(x.dtype)]
     bits = jax.lax.bitcast_convert_type(x, key_dtype)
@@ -275,6 +449,7 @@ def _key(x: Float[Array, ""]) -> Int[Array, ""]:
 
 
 def _value(key: Int[Array, ""], dtype: jnp.dtype) -> Float[Array, ""]:
+    """The float whose key is `key`."""
     bits = jnp.where(key < 0, key ^ jnp.iinfo(key.dtype).max, key)
     return jax.lax.bitcast_convert_type(bits, dtype)
 
