@@ -1,10 +1,13 @@
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from .._failures import first_failure, raise_first_failure
+from .._numerics import arithmetic_dtype
 from ._parameters import sampling_parameters
-from ._truncation import arithmetic_dtype, probability, row_statistics
+from ._truncation import probability, request_statistics
 
 
 def probs_from_logits(
@@ -67,21 +70,13 @@ def probs_from_logits(
     parameters = sampling_parameters(
         temperature, top_k, top_p, requests, arithmetic_dtype(logits)
     )
-    per_request = int(logits.size // max(vocab, 1) // max(requests, 1))
-
-    def per_row(x):
-        return jnp.repeat(x, per_request, total_repeat_length=requests * per_request)
-
-    rows = logits.reshape(-1, vocab)
-    temperature_per_row = per_row(parameters.temperature)
-    statistics = row_statistics(
-        rows, temperature_per_row, per_row(parameters.top_k), per_row(parameters.top_p)
-    )
+    by_request = logits.reshape(requests, math.prod(lead[1:]), vocab)
+    statistics = request_statistics(by_request, parameters)
     probs = probability(
-        rows,
-        jnp.arange(vocab)[None, :],
-        jax.tree.map(lambda x: x[:, None], statistics),
-        temperature_per_row[:, None],
+        by_request,
+        jnp.arange(vocab),
+        jax.tree.map(lambda x: x[..., None], statistics),
+        parameters.temperature[:, None, None],
     ).reshape(logits.shape)
     if requests == 0:
         return probs

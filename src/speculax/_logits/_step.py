@@ -17,7 +17,7 @@ from .._failures import (
     sampled_failure,
     stopping_row_failures,
 )
-from .._numerics import as_index, flush_subnormal, index_array
+from .._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
 from .._prefix import PrefixCount
 from .._random import KeyArray
 from .._sampling import InverseCDF, sample_residual
@@ -33,11 +33,10 @@ from .._stopping_rows import stopping_row_summary
 from ._parameters import SamplingParameters, sampling_parameters
 from ._truncation import (
     RowStatistics,
-    arithmetic_dtype,
     loops_over_rows,
     probability,
     read_logits_row,
-    row_statistics,
+    request_statistics,
 )
 
 
@@ -204,8 +203,10 @@ class LogitsStep(eqx.Module):
             else jnp.clip(num_draft_tokens, 0, num_draft)
         )
         in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
-        target = _statistics(target_logits, parameters)
-        draft = None if draft_logits is None else _statistics(draft_logits, parameters)
+        target = request_statistics(target_logits, parameters)
+        draft = None
+        if draft_logits is not None:
+            draft = request_statistics(draft_logits, parameters)
         passed = _verdicts(
             draft_tokens,
             draft_logits,
@@ -253,24 +254,6 @@ class LogitsStep(eqx.Module):
         if self.throw:
             return raise_first_failure(output, result)
         return empty_failed_rows(output, result)
-
-
-def _statistics(
-    logits: Float[Array, "batch positions vocab"], parameters: SamplingParameters
-) -> RowStatistics:
-    """The row statistics of every position, shape `(batch, positions)`."""
-    batch, positions, vocab = logits.shape
-
-    def per_row(x):
-        return jnp.repeat(x, positions, total_repeat_length=batch * positions)
-
-    statistics = row_statistics(
-        logits.reshape(batch * positions, vocab),
-        per_row(parameters.temperature),
-        per_row(parameters.top_k),
-        per_row(parameters.top_p),
-    )
-    return jax.tree.map(lambda x: x.reshape(batch, positions), statistics)
 
 
 def _verdicts(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt
 
 from .._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
+from ._parameters import SamplingParameters
 
 
 class RowStatistics(eqx.Module):
@@ -88,6 +89,26 @@ def probability(
     sampled = jnp.where(kept, jnp.exp(scaled) / statistics.total, 0)
     greedy = (tokens == statistics.argmax).astype(sampled.dtype)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def request_statistics(
+    logits: Float[Array, "requests positions vocab"],
+    parameters: SamplingParameters,
+) -> RowStatistics:
+    """The statistics of every row of every request, shape `(requests, positions)`,
+    each row under its request's parameters."""
+    requests, positions, vocab = logits.shape
+
+    def per_row(x):
+        return jnp.repeat(x, positions, total_repeat_length=requests * positions)
+
+    statistics = row_statistics(
+        logits.reshape(requests * positions, vocab),
+        per_row(parameters.temperature),
+        per_row(parameters.top_k),
+        per_row(parameters.top_p),
+    )
+    return jax.tree.map(lambda x: x.reshape(requests, positions), statistics)
 
 
 def row_statistics(
