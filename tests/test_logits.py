@@ -323,6 +323,60 @@ def test_the_searches_read_few_groups_or_the_whole_row_alike(spread):
     _assert_truncation_by_sorting(logits, parameters)
 
 
+@pytest.mark.parametrize("vocab", [32, 64, 256, 2048])
+def test_the_last_group_is_read_once(vocab):
+    """The top tokens in the last group of 16, the case where empty slots of the
+    pruned search once read that group again: kept sets and probabilities still
+    those of truncation by sorting."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((6, vocab))
+    logits[:, -1] += 6
+    logits[:, -3] += 5.5
+    logits[:, 0] += 5
+    parameters = {
+        "temperature": np.array([1.0, 0.7, 1.0, 1.3, 0.9, 1.0], np.float32),
+        "top_k": np.array([2, 0, 3, 1, 0, 5], np.int32),
+        "top_p": np.array([1.0, 0.9, 0.8, 1.0, 0.99, 0.5], np.float32),
+    }
+    _assert_truncation_by_sorting(logits, parameters)
+    probs = speculax.probs_from_logits(jnp.asarray(logits, jnp.float32), **parameters)
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1, rtol=1e-5)
+
+
+def test_under_x64():
+    """Float32 and float64 logits, under x64: the same answers as the probability
+    path, and float64 parameters for float64 logits."""
+    with jax.enable_x64(True):
+        for dtype in ("float32", "float64"):
+            batch = _mixed_batch(9, dtype, "sampled", True)
+            out = _run(_logits_step, batch)
+            for b in range(BATCH):
+                expected = _probability_path(batch, b)
+                assert out["tokens"][b].tolist() == expected["tokens"][0].tolist()
+            probs = speculax.probs_from_logits(
+                batch["target_logits"], temperature=0.7, top_k=5, top_p=0.9
+            )
+            assert probs.dtype == jnp.dtype(dtype)
+
+
+def test_parameters_at_the_edges_of_their_dtypes():
+    """A top-k past int32 keeps all, never wrapped; a subnormal top-p keeps the top
+    token, a subnormal temperature samples rather than turning greedy."""
+    logits = jnp.asarray(np.random.default_rng(13).standard_normal((2, 30)))
+    everything = speculax.probs_from_logits(logits)
+    for huge in (2**40, np.int64(2**32 + 3), np.array([2**33, 2**31], np.int64)):
+        np.testing.assert_array_equal(
+            speculax.probs_from_logits(logits, top_k=huge), everything
+        )
+    top = speculax.probs_from_logits(logits, top_p=1e-45)
+    assert (
+        np.asarray(top).tolist()
+        == np.asarray(jax.nn.one_hot(jnp.argmax(logits, -1), 30)).tolist()
+    )
+    with pytest.raises(ValueError, match="logits must have a vocabulary axis"):
+        speculax.probs_from_logits(jnp.zeros((2, 0)))
+
+
 def _assert_truncation_by_sorting(logits: np.ndarray, parameters: dict) -> None:
     """`probs_from_logits` keeps, row by row, the tokens the NumPy definition by
     sorting keeps, with the same probabilities."""
@@ -349,7 +403,7 @@ def _bad(batch: dict, name: str, b: int, value, index=None) -> dict:
     return {**batch, name: jnp.asarray(array)}
 
 
-# Row 1 samples plainly (KINDS[1]); row 0 is greedy.
+# Row 1 samples plainly (KINDS[1]), row 2 with a top-k; row 0 is greedy.
 BAD_VALUES = [
     ("temperature", "temperature", 1, -0.5, None),
     ("temperature NaN", "temperature", 1, np.nan, None),
@@ -362,6 +416,8 @@ BAD_VALUES = [
     ("draft NaN", "draft_logits", 1, np.nan, (1, 0)),
     ("draft all -inf", "draft_logits", 1, -np.inf, (0,)),
     ("greedy target NaN", "target_logits", 0, np.nan, (1, 2)),
+    ("truncated target +inf", "target_logits", 2, np.inf, (0, 5)),
+    ("truncated draft NaN", "draft_logits", 2, np.nan, (0, 7)),
 ]
 MESSAGES = {
     "temperature": "temperature must be non-negative",
@@ -382,6 +438,8 @@ RESULTS_OF = {
     "draft NaN": "bad_draft_logits",
     "draft all -inf": "no_finite_draft_logit",
     "greedy target NaN": "bad_target_logits",
+    "truncated target +inf": "bad_target_logits",
+    "truncated draft NaN": "bad_draft_logits",
 }
 
 

@@ -4,6 +4,7 @@ one value per row, checked."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._failures import RESULTS, Failure
@@ -52,6 +53,10 @@ def sampling_parameters(
         raise ValueError(f"top_k must be non-negative (0 keeps all); got {top_k}")
     if isinstance(top_p, int | float) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1]; got {top_p}")
+    if top_k is not None and not isinstance(top_k, Array):
+        # A count above what int32 holds keeps every token: clipped, never wrapped.
+        limits = np.iinfo(np.int32)
+        top_k = np.clip(np.asarray(top_k), limits.min, limits.max)
     values = {
         "temperature": (temperature, dtype, jnp.floating),
         "top_k": (0 if top_k is None else top_k, jnp.int32, jnp.integer),
@@ -74,15 +79,16 @@ def sampling_parameters(
             )
         arrays[name] = jnp.broadcast_to(array.astype(want), (batch,))
     arrays["temperature"] = _without_subnormals(arrays["temperature"])
+    arrays["top_p"] = _without_subnormals(arrays["top_p"])
     return SamplingParameters(**arrays)
 
 
 def _without_subnormals(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
     """`x` with each subnormal value replaced by the smallest normal number of its
     sign. XLA CPU reads subnormal operands as zero, which would make a positive
-    temperature below the smallest normal greedy; as the smallest normal it gives the
-    same limit as any temperature too small to tell the largest logits apart. Decided
-    on the bits, which no flushing touches."""
+    temperature below the smallest normal greedy (as the smallest normal it gives the
+    same limit as any temperature too small to tell the largest logits apart) and a
+    positive top-p out of range. Decided on the bits, which no flushing touches."""
     bits_dtype = jnp.int32 if x.dtype.itemsize == 4 else jnp.int64
     bits = jax.lax.bitcast_convert_type(x, bits_dtype)
     smallest = jnp.finfo(x.dtype).smallest_normal

@@ -65,6 +65,11 @@ def probs_from_logits(
     arrays, an Equinox runtime error (a `RuntimeError`) naming the parameter.
     """
     logits = jnp.asarray(logits)
+    if logits.ndim == 0 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must have a vocabulary axis of size at least 1; got shape "
+            f"{logits.shape}"
+        )
     *lead, vocab = logits.shape
     requests = lead[0] if lead else 1
     parameters = sampling_parameters(

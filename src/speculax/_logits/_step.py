@@ -181,7 +181,11 @@ class LogitsStep(eqx.Module):
         batch, num_draft, vocab = target_logits.shape
         num_draft -= 1
         parameters = sampling_parameters(
-            temperature, top_k, top_p, batch, arithmetic_dtype(target_logits)
+            temperature,
+            top_k,
+            top_p,
+            batch,
+            arithmetic_dtype(target_logits, draft_logits),
         )
         accept_uniforms, sample_uniforms = resolve_uniforms(
             draft_tokens.shape,
@@ -345,6 +349,8 @@ def _draw(
     return drawn, failures
 
 
+# Compiled on its own for the reason `request_statistics` is.
+@jax.jit
 def _probability_rows(
     logits: Float[Array, "batch positions vocab"],
     position: Int[Array, " batch"],

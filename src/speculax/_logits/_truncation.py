@@ -91,6 +91,9 @@ def probability(
     return jnp.where(temperature > 0, sampled, greedy)
 
 
+# Compiled on its own, so that outside `jit` too the row loop reads the logits as an
+# argument, never as a constant folded into the program.
+@jax.jit
 def request_statistics(
     logits: Float[Array, "requests positions vocab"],
     parameters: SamplingParameters,
@@ -98,15 +101,16 @@ def request_statistics(
     """The statistics of every row of every request, shape `(requests, positions)`,
     each row under its request's parameters."""
     requests, positions, vocab = logits.shape
+    dtype = arithmetic_dtype(logits)
 
     def per_row(x):
         return jnp.repeat(x, positions, total_repeat_length=requests * positions)
 
     statistics = row_statistics(
         logits.reshape(requests * positions, vocab),
-        per_row(parameters.temperature),
+        per_row(parameters.temperature.astype(dtype)),
         per_row(parameters.top_k),
-        per_row(parameters.top_p),
+        per_row(parameters.top_p.astype(dtype)),
     )
     return jax.tree.map(lambda x: x.reshape(requests, positions), statistics)
 
@@ -167,9 +171,11 @@ def read_logits_row(
     hoists the conversion of a half-precision array out of the loop, converting the
     whole array to float32 first (twice its size, and an extra pass).
     """
+    # One index type for dynamic_slice, whatever x64 makes of the callers' indices.
+    index = tuple(jnp.asarray(i, jnp.int32) for i in index)
     logits, position = jax.lax.optimization_barrier((logits, index))
     vocab = logits.shape[-1]
-    start = (*position, jnp.zeros((), jnp.asarray(position[0]).dtype))
+    start = (*position, jnp.zeros((), jnp.int32))
     row = jax.lax.dynamic_slice(logits, start, (1,) * len(position) + (vocab,))
     return row.reshape(vocab).astype(arithmetic_dtype(logits))
 
@@ -208,8 +214,10 @@ def _untruncated_row(
 def _statistics(
     row: _Row, threshold: Float[Array, ""], total: Float[Array, ""]
 ) -> RowStatistics:
+    # The untruncated total, which every NaN or +inf logit makes NaN: a truncated
+    # one may leave out a NaN whose key sorts below the threshold.
     return RowStatistics(
-        row.maximum, row.argmax, threshold, total, _bad(row.maximum, total)
+        row.maximum, row.argmax, threshold, total, _bad(row.maximum, row.mass)
     )
 
 
@@ -280,8 +288,12 @@ def _searched_in_few_blocks(
         ),
     )
     candidate = group_maxima.keys >= bound
+    # Empty slots point past the last group, which `take` fills with -inf (a
+    # negative index would wrap round to the last group).
     (chosen,) = jnp.nonzero(
-        candidate, size=min(SEARCHED_GROUPS, groups.shape[0]), fill_value=-1
+        candidate,
+        size=min(SEARCHED_GROUPS, groups.shape[0]),
+        fill_value=groups.shape[0],
     )
     few = jnp.take(groups, chosen, axis=0, mode="fill", fill_value=-jnp.inf)
     values = _Values.of(scaled_logits(few.reshape(-1), row.maximum, temperature))
@@ -376,11 +388,12 @@ class _Values(eqx.Module):
 
     def count(self, key: Int[Array, ""]) -> Int[Array, ""]:
         """How many values are at or above the value of `key`."""
-        return jnp.sum(self.keys >= key)
+        return jnp.sum(self.keys >= key, dtype=jnp.int32)
 
     def mass(self, key: Int[Array, ""]) -> Float[Array, ""]:
-        """The weights of the values at or above the value of `key`; NaN when a
-        value is NaN (its key lies above every other)."""
+        """The weights of the values at or above the value of `key`. A NaN value's
+        key lies above every other or below, by its sign: a row's faults are read
+        off its untruncated total instead."""
         return jnp.sum(jnp.where(self.keys < key, 0, self.weights))
 
 
@@ -421,9 +434,11 @@ def _largest_holding(
     searching: Bool[Array, ""],
 ) -> Int[Array, ""]:
     """The key of the largest $t$ in $[$`lowest`$, 0]$ for which `holds(key,
-    count)` (`count` the number of `values` at or above $t$), a predicate true at
-    `lowest`, false above $0$, and turning from true to false once as $t$ grows, only
-    at `values`; or `lowest` when not `searching`.
+    count)` (`count` the number of `values` at or above $t$), a predicate false
+    above $0$ that turns from true to false once as $t$ grows, only at `values`; or
+    `lowest` when not `searching`, or when the predicate is false at `lowest` too
+    (as a sum rounded differently from the total it is compared with may be): the
+    callers then keep every token at or above `lowest`.
 
     Bisection over the integer keys, so that the answer is exact: the key of one of
     the `values` (or `lowest`). It stops after one step per bit at most, or as soon
