@@ -20,8 +20,10 @@ e^{s_v}$. Temperature $0$ is greedy: the one-hot of the first largest logit.
 
 Both thresholds are found without sorting, by bisection over the integer keys that
 order float32 values (float64 under x64) as integers: each step counts (top-$k$) or
-sums (top-$p$) one row against a candidate, at most 32 steps each (64 for float64),
-fewer when the interval is narrow.
+sums (top-$p$) against a candidate, at most 32 steps each (64 for float64), and the
+search stops as soon as one value is left between the bounds. The steps read only
+the groups of `GROUP_SIZE` tokens whose maximum reaches a lower bound of the
+threshold found from the groups' maxima, or the whole row when there are too many.
 On CPU the rows are processed two at a time, so that the repeated passes read a row
 from cache; see `docs/from_logits.md` for the cost.
 """
