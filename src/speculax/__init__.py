@@ -19,6 +19,17 @@ from ._failures import (
 )
 from ._logits._probs import probs_from_logits as probs_from_logits
 from ._logits._step import LogitsStep as LogitsStep
+from ._loop import (
+    ACCEPT as ACCEPT,
+    DRAFT as DRAFT,
+    SAMPLE as SAMPLE,
+    AbstractKeySchedule as AbstractKeySchedule,
+    FoldInKeys as FoldInKeys,
+    LanguageModel as LanguageModel,
+    LoopOutput as LoopOutput,
+    LoopState as LoopState,
+    SpeculativeLoop as SpeculativeLoop,
+)
 from ._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,
     LastPassCount as LastPassCount,

@@ -30,6 +30,22 @@ def uniforms(
     `accept_uniforms` of shape `(batch, draft)` and `sample_uniforms` of shape
     `(batch,)`, both float32.
     """
+    key = row_keys(key, batch)
+    draws = jax.vmap(
+        lambda row_key: jax.random.uniform(row_key, (draft + 1,), jnp.float32)
+    )(key)
+    return draws[:, :draft], draws[:, draft]
+
+
+def row_keys(key: KeyArray, batch: int) -> Key[Array, " batch"]:
+    """One typed key per row: `key` itself when it holds one key per row, else split
+    from the single key `key`.
+
+    **Raises:**
+
+    `TypeError` when `key` is not a JAX PRNG key (typed, or legacy `uint32` data), and
+    `ValueError` when it holds neither one key nor `batch` of them.
+    """
     if not isinstance(key, jax.Array) or not (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))
@@ -47,10 +63,7 @@ def uniforms(
             f"key must be a single key or one key per row, shape () or ({batch},); got "
             f"shape {key.shape}"
         )
-    draws = jax.vmap(
-        lambda row_key: jax.random.uniform(row_key, (draft + 1,), jnp.float32)
-    )(key)
-    return draws[:, :draft], draws[:, draft]
+    return key
 
 
 def _describe(x: object) -> str:

@@ -33,6 +33,11 @@ from ._chain import (
     lossless_error as lossless_error,
     output_distribution as output_distribution,
 )
+from ._loop import (
+    loop_lossless_error as loop_lossless_error,
+    loop_output_distribution as loop_output_distribution,
+    target_output_distribution as target_output_distribution,
+)
 from ._tree import (
     tree_lossless_error as tree_lossless_error,
     tree_output_distribution as tree_output_distribution,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from .._acceptance import AbstractAcceptance
 from .._step import SpeculativeStep
 
 
@@ -224,37 +225,8 @@ def _run_pieces(
     q_batch = jnp.broadcast_to(q, (num_sequences, *q.shape))
     p_batch = jnp.broadcast_to(p, (num_sequences, *p.shape))
 
-    # Bisects on the bit patterns of the float64 numbers in [0, 1), which order like
-    # the numbers themselves, so the threshold is found to the last bit (keeping its
-    # relative precision even when tiny) in 62 halvings of [-1, bits(1.0)]. `passing`
-    # is known to pass (-1 stands for "below 0") and `failing` known to fail (1.0
-    # stands for the end of the interval and is never evaluated).
-    def halve(_, bounds):
-        passing, failing = bounds
-        middle = jnp.maximum(passing + (failing - passing) // 2, 0)
-        u = jax.lax.bitcast_convert_type(middle, jnp.float64)
-        passed = step.acceptance(sequences, q_batch, p_batch, u, num_draft_tokens=None)
-        still_open = failing - passing > 1
-        passing = jnp.where(still_open & passed, middle, passing)
-        failing = jnp.where(still_open & ~passed, middle, failing)
-        return passing, failing
-
-    start = (
-        jnp.full(sequences.shape, -1, jnp.int64),
-        jnp.full(sequences.shape, _ONE_BITS, jnp.int64),
-    )
-    _, failing = jax.lax.fori_loop(0, _HALVINGS, halve, start)
-    pass_probs = jax.lax.bitcast_convert_type(failing, jnp.float64)
-
-    # Bisection silently finds a wrong threshold for a non-monotone test; a grid of
-    # probes catches the gross cases.
-    def probe(j, consistent):
-        u = jnp.full(sequences.shape, (j + 0.5) / _PROBES, jnp.float64)
-        passed = step.acceptance(sequences, q_batch, p_batch, u, num_draft_tokens=None)
-        return consistent & (passed == (u < pass_probs))
-
-    monotone = jax.lax.fori_loop(
-        0, _PROBES, probe, jnp.ones(sequences.shape, jnp.bool_)
+    pass_probs, monotone = acceptance_thresholds(
+        step.acceptance, sequences, q_batch, p_batch
     )
 
     counts = step.prefix(patterns)
@@ -268,6 +240,57 @@ def _run_pieces(
         num_draft_tokens=None,
     )
     return pass_probs, monotone, counts, weights
+
+
+@eqx.filter_jit
+def acceptance_thresholds(
+    acceptance: AbstractAcceptance,
+    draft_tokens: Int[Array, "rows draft"],
+    draft_probs: Float[Array, "rows draft vocab"],
+    target_probs: Float[Array, "rows draft+1 vocab"],
+) -> tuple[Float[Array, "rows draft"], Bool[Array, "rows draft"]]:
+    """The threshold $t_i$ below which each position's test passes, so that
+    $P(\text{pass}) = t_i$ for a uniform $u_i$, and whether a grid of uniforms agrees
+    with "passes exactly when $u_i < t_i$" (a test that is not monotone in $u_i$
+    has no such threshold)."""
+
+    # Bisects on the bit patterns of the float64 numbers in [0, 1), which order like
+    # the numbers themselves, so the threshold is found to the last bit (keeping its
+    # relative precision even when tiny) in 62 halvings of [-1, bits(1.0)]. `passing`
+    # is known to pass (-1 stands for "below 0") and `failing` known to fail (1.0
+    # stands for the end of the interval and is never evaluated).
+    def halve(_, bounds):
+        passing, failing = bounds
+        middle = jnp.maximum(passing + (failing - passing) // 2, 0)
+        u = jax.lax.bitcast_convert_type(middle, jnp.float64)
+        passed = acceptance(
+            draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
+        )
+        still_open = failing - passing > 1
+        passing = jnp.where(still_open & passed, middle, passing)
+        failing = jnp.where(still_open & ~passed, middle, failing)
+        return passing, failing
+
+    start = (
+        jnp.full(draft_tokens.shape, -1, jnp.int64),
+        jnp.full(draft_tokens.shape, _ONE_BITS, jnp.int64),
+    )
+    _, failing = jax.lax.fori_loop(0, _HALVINGS, halve, start)
+    thresholds = jax.lax.bitcast_convert_type(failing, jnp.float64)
+
+    # Bisection silently finds a wrong threshold for a non-monotone test; a grid of
+    # probes catches the gross cases.
+    def probe(j, consistent):
+        u = jnp.full(draft_tokens.shape, (j + 0.5) / _PROBES, jnp.float64)
+        passed = acceptance(
+            draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
+        )
+        return consistent & (passed == (u < thresholds))
+
+    monotone = jax.lax.fori_loop(
+        0, _PROBES, probe, jnp.ones(draft_tokens.shape, jnp.bool_)
+    )
+    return thresholds, monotone
 
 
 def _normalise(

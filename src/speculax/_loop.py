@@ -1,0 +1,415 @@
+"""The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
+
+import abc
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypedDict, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Key
+
+from ._numerics import index_array
+from ._random import KeyArray, row_keys
+from ._sampling import InverseCDF
+from ._step import InputArray, SpeculativeStep
+
+
+LanguageModel: TypeAlias = Callable[
+    [Int[Array, "batch time"], Int[Array, "batch positions"]],
+    Float[Array, "batch positions vocab"],
+]
+"""A model as the loop calls it: `model(tokens, positions)`, where `tokens` is an
+int32 `(B, T)` buffer of token histories and `positions` an int32 `(B, K)` array of
+positions in it, returns float `(B, K, V)` logits, entry `[b, k]` those of the token
+that follows `tokens[b, :positions[b, k] + 1]`. It must read only the tokens at or
+before each position: the buffer holds anything past them."""
+
+# The three uses of random numbers in a step, each a stream of the key schedule.
+DRAFT, ACCEPT, SAMPLE = 0, 1, 2
+
+
+class AbstractKeySchedule(eqx.Module):
+    """Which PRNG key each random number of the loop is drawn from.
+
+    In step $t$ the loop reads, per row, the uniforms of three streams: `DRAFT`
+    ($G$ of them, one per draft token, drawn by inverse CDF from $q_i$), `ACCEPT`
+    ($G$, the acceptance tests' $u_i$) and `SAMPLE` (one, the drawn token's $s$).
+    Each is `jax.random.uniform(schedule(row_key, t, stream, i))`. The loop is
+    lossless only if no two of these keys are equal: a reused key gives the same
+    number twice, and the two uses are then not independent.
+
+    Subclass it to try another schedule, an engine's for instance, and check it with
+    [`speculax.testing.loop_output_distribution`][], which treats uses with equal
+    keys as one random number.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        row_key: Key[Array, ""],
+        step: Int[Array, ""],
+        stream: int,
+        position: Int[Array, ""],
+    ) -> Key[Array, ""]:
+        """**Arguments:**
+
+        - `row_key`: the row's key, a typed scalar key.
+        - `step`: $t$, the step number, from 0.
+        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), a Python int.
+        - `position`: $i$, the draft position, in `[0, G)`; 0 for `SAMPLE`.
+
+        **Returns:**
+
+        The typed scalar key of that uniform.
+        """
+
+
+@final
+class FoldInKeys(AbstractKeySchedule):
+    """The default schedule: the uniform of stream $c$ at position $i$ in step $t$ is
+    drawn from `fold_in(fold_in(fold_in(row_key, t), c), i)`.
+
+    Distinct $(t, c, i)$ give distinct keys, so no random number is used twice: not
+    across steps (a fixed key per position would repeat the noise of the previous
+    step), and not across streams (the draft's noise reused for the acceptance test
+    would bias it towards accepting). The row's own key is the root, so a row's
+    tokens do not depend on the batch it runs in.
+    """
+
+    def __call__(
+        self,
+        row_key: Key[Array, ""],
+        step: Int[Array, ""],
+        stream: int,
+        position: Int[Array, ""],
+    ) -> Key[Array, ""]:
+        fold_in = jax.random.fold_in
+        return fold_in(fold_in(fold_in(row_key, step), stream), position)
+
+
+class LoopOutput(TypedDict):
+    """What [`speculax.SpeculativeLoop`][] returns: a plain `dict` with these keys,
+    for $B$ rows, at most $N$ new tokens each.
+
+    - `tokens`: int32 `(B, N)`, the generated tokens of each row, the end token
+        included, then `-1`.
+    - `num_tokens`: int32 `(B,)`, the number of generated tokens.
+    - `num_steps`: int32 `(B,)`, the number of steps the row took, which is the number
+        of target calls it needed.
+    - `num_accepted`: int32 `(B, N)`, entry $[b, t]$ the number of draft tokens row
+        $b$ kept in step $t$, then `-1` once the row has finished.
+    - `num_target_calls`: int32 scalar, the number of (batched) calls of the target
+        model, the largest of `num_steps`.
+    """
+
+    tokens: Int[Array, "batch new"]
+    num_tokens: Int[Array, " batch"]
+    num_steps: Int[Array, " batch"]
+    num_accepted: Int[Array, "batch new"]
+    num_target_calls: Int[Array, ""]
+
+
+class LoopState(eqx.Module):
+    """The carry of the loop. `buffer` holds each row's prompt and the tokens
+    generated so far, its first `length` entries being the history; past them it
+    holds the last step's drafts or padding."""
+
+    buffer: Int[Array, "batch time"]
+    prompt_length: Int[Array, " batch"]
+    length: Int[Array, " batch"]
+    done: Bool[Array, " batch"]
+    num_steps: Int[Array, " batch"]
+    num_accepted: Int[Array, "batch new"]
+    step: Int[Array, ""]
+
+
+@final
+class SpeculativeLoop(eqx.Module):
+    """Speculative sampling: the draft model proposes $G$ tokens, the target model
+    scores them in one call, a verification step keeps some and draws one more, and
+    the row's history grows by those tokens; repeated until each row has $N$ new
+    tokens or has emitted the end token.
+
+    Under `jit` throughout, as one `lax.while_loop` with fixed shapes: rows finish
+    at different steps, and a finished row keeps its tokens while the others go on.
+    Draft token $i$ is drawn from $q_i = \\mathrm{softmax}$ of the draft model's
+    logits by inverse CDF, and $p_i$ is the softmax of the target's; with a
+    lossless step (the default rejection sampling, block verification) the tokens
+    are distributed exactly as if sampled from the target one at a time. For
+    temperature or truncation, make them part of the models: wrap each to return,
+    say, `logits / temperature`.
+
+    **Arguments:**
+
+    The constructor takes, keyword only:
+
+    - `num_draft`: $G$, the number of draft tokens per step, a non-negative static
+        integer. $G = 0$ samples the target alone, one token per call.
+    - `max_new_tokens`: $N$, the number of tokens to generate per row, a positive
+        static integer.
+    - `step`: the verification step, a [`speculax.SpeculativeStep`][]: the default
+        one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
+        composition of pieces. It must raise on bad values (`throw=True`).
+        Default `SpeculativeStep()`.
+    - `end_token`: a static token id that ends a row when generated, or `None` (the
+        default) for none.
+    - `keys`: the [`speculax.AbstractKeySchedule`][] of the random numbers; default
+        [`speculax.FoldInKeys`][], under which none is used twice.
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import speculax
+
+    table = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.3, 0.3, 0.4]]))
+
+    def bigram(tokens, positions):
+        # A Markov model: the next token's logits depend on the last token only.
+        return table[jnp.take_along_axis(tokens, positions, axis=1)]
+
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=8, end_token=2)
+    out = loop(bigram, bigram, jnp.array([[0], [1]]), key=jax.random.key(0))
+    assert out["tokens"].shape == (2, 8)
+    # With the draft equal to the target, every draft token passes.
+    assert (out["num_accepted"][:, 0] == 3).all()
+    ```
+    """
+
+    num_draft: int = eqx.field(static=True, kw_only=True)
+    max_new_tokens: int = eqx.field(static=True, kw_only=True)
+    step: SpeculativeStep = eqx.field(default=SpeculativeStep(), kw_only=True)
+    end_token: int | None = eqx.field(static=True, default=None, kw_only=True)
+    keys: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
+
+    def __check_init__(self):
+        if self.num_draft < 0:
+            raise ValueError(f"num_draft must be non-negative; got {self.num_draft}")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens must be positive; got {self.max_new_tokens}"
+            )
+        if self.end_token is not None and self.end_token < 0:
+            raise ValueError(f"end_token must be non-negative; got {self.end_token}")
+        if self.step.check_values and not self.step.throw:
+            raise ValueError(
+                "the loop needs a step that raises on bad values (throw=True): a row "
+                "it could not verify would have no token to append"
+            )
+
+    def __call__(
+        self,
+        draft_model: LanguageModel,
+        target_model: LanguageModel,
+        prompt: InputArray,
+        *,
+        key: KeyArray,
+        prompt_lengths: InputArray | None = None,
+    ) -> LoopOutput:
+        """Generates up to `max_new_tokens` tokens after each prompt.
+
+        **Arguments:**
+
+        - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s, callables
+            `(tokens, positions) -> logits` on the same vocabulary. Equinox modules
+            (or any PyTree of arrays) are traced, not baked in as constants.
+        - `prompt`: integer `(B, P)`, the prompts, $P \\ge 1$.
+        - `key`: keyword only, a JAX PRNG key, or one per row (shape `(B,)`) to make
+            each row's tokens independent of the batch it runs in.
+        - `prompt_lengths`: keyword only, integer `(B,)` in `[1, P]`: row $b$'s
+            prompt is its first `prompt_lengths[b]` tokens. Default $P$ for all.
+
+        **Returns:**
+
+        A [`speculax.LoopOutput`][] dict: `tokens` and `num_accepted` int32
+        `(B, max_new_tokens)`, `num_tokens` and `num_steps` int32 `(B,)`, and
+        `num_target_calls` an int32 scalar.
+
+        **Raises:**
+
+        `ValueError` or `TypeError` naming the argument for a prompt or lengths of
+        the wrong shape or dtype, or a bad key; an Equinox runtime error for a
+        prompt length outside `[1, P]` or a value the step's checks reject.
+        """
+        prompt = index_array(prompt)
+        if prompt.ndim != 2 or prompt.shape[1] < 1:
+            raise ValueError(
+                f"prompt must have shape (B, P) with P >= 1; got shape {prompt.shape}"
+            )
+        batch, prompt_width = prompt.shape
+        if prompt_lengths is None:
+            prompt_lengths = jnp.full((batch,), prompt_width, jnp.int32)
+        prompt_lengths = index_array(prompt_lengths)
+        if prompt_lengths.shape != (batch,):
+            raise ValueError(
+                f"prompt_lengths must have shape ({batch},), one per prompt; got shape "
+                f"{prompt_lengths.shape}"
+            )
+        return _generate(
+            self,
+            draft_model,
+            target_model,
+            prompt.astype(jnp.int32),
+            prompt_lengths.astype(jnp.int32),
+            row_keys(key, batch),
+        )
+
+    def start(
+        self, prompt: Int[Array, "batch prompt"], prompt_length: Int[Array, " batch"]
+    ) -> LoopState:
+        """The state before the first step: each prompt in a buffer with room for
+        `max_new_tokens` tokens and the drafts of one step beyond."""
+        batch = prompt.shape[0]
+        padding = jnp.zeros(
+            (batch, self.max_new_tokens + self.num_draft + 1), jnp.int32
+        )
+        return LoopState(
+            buffer=jnp.concatenate([prompt, padding], axis=1),
+            prompt_length=prompt_length,
+            length=prompt_length,
+            done=jnp.zeros((batch,), jnp.bool_),
+            num_steps=jnp.zeros((batch,), jnp.int32),
+            num_accepted=jnp.full((batch, self.max_new_tokens), -1, jnp.int32),
+            step=jnp.zeros((), jnp.int32),
+        )
+
+    def uniforms(
+        self, row_key: Key[Array, " batch"], step: Int[Array, ""]
+    ) -> tuple[
+        Float[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]
+    ]:
+        """The uniforms of step `step`, `(draft, accept, sample)`, from `keys`."""
+
+        def row(key: Key[Array, ""]) -> tuple[Array, Array, Array]:
+            def stream(stream: int, count: int) -> Array:
+                return jax.vmap(
+                    lambda i: jax.random.uniform(self.keys(key, step, stream, i))
+                )(jnp.arange(count))
+
+            return (
+                stream(DRAFT, self.num_draft),
+                stream(ACCEPT, self.num_draft),
+                stream(SAMPLE, 1)[0],
+            )
+
+        return jax.vmap(row)(row_key)
+
+    def advance(
+        self,
+        draft_model: LanguageModel,
+        target_model: LanguageModel,
+        state: LoopState,
+        draft_uniforms: Float[Array, "batch draft"],
+        accept_uniforms: Float[Array, "batch draft"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> LoopState:
+        """One step on every unfinished row, driven by the given uniforms: draft,
+        verify, append. [`speculax.testing.loop_output_distribution`][] calls it
+        directly, with uniforms of its choosing."""
+        batch = state.buffer.shape[0]
+        rows = jnp.arange(batch)
+        last = state.length - 1
+        logits_shape = jax.eval_shape(draft_model, state.buffer, last[:, None])
+
+        def draft(i: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
+            buffer, draft_probs = carry
+            logits = draft_model(buffer, (last + i)[:, None])[:, 0]
+            probs = jax.nn.softmax(logits, axis=-1)
+            token = InverseCDF()(probs, draft_uniforms[:, i])
+            buffer = buffer.at[rows, state.length + i].set(token)
+            return buffer, draft_probs.at[:, i].set(probs)
+
+        draft_probs = jnp.zeros(
+            (batch, self.num_draft, logits_shape.shape[-1]), logits_shape.dtype
+        )
+        buffer = state.buffer
+        # Traced even for zero iterations, where there is no uniform to index.
+        if self.num_draft > 0:
+            buffer, draft_probs = jax.lax.fori_loop(
+                0, self.num_draft, draft, (buffer, draft_probs)
+            )
+        offsets = jnp.arange(self.num_draft + 1)
+        target_probs = jax.nn.softmax(
+            target_model(buffer, last[:, None] + offsets), axis=-1
+        )
+        draft_tokens = jnp.take_along_axis(
+            buffer, state.length[:, None] + offsets[:-1], axis=1
+        )
+        out = self.step(
+            draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+        )
+
+        # The step's tokens are the kept drafts, then the drawn token: as many as
+        # fit in the row's remaining room, cut after the end token.
+        room = self.max_new_tokens - (state.length - state.prompt_length)
+        count = jnp.minimum(out["num_accepted"] + 1, room)
+        ended = jnp.zeros((batch,), jnp.bool_)
+        if self.end_token is not None:
+            is_end = (out["tokens"] == self.end_token) & (offsets < count[:, None])
+            ended = is_end.any(axis=1)
+            count = jnp.where(ended, jnp.argmax(is_end, axis=1) + 1, count)
+        active = ~state.done
+        count = jnp.where(active, count, 0)
+        written = jnp.where(
+            offsets < count[:, None],
+            out["tokens"],
+            jnp.take_along_axis(buffer, state.length[:, None] + offsets, axis=1),
+        )
+        buffer = buffer.at[rows[:, None], state.length[:, None] + offsets].set(written)
+        length = state.length + count
+        return LoopState(
+            buffer=buffer,
+            prompt_length=state.prompt_length,
+            length=length,
+            done=state.done
+            | (active & ended)
+            | (length - state.prompt_length >= self.max_new_tokens),
+            num_steps=state.num_steps + active,
+            num_accepted=state.num_accepted.at[:, state.step].set(
+                jnp.where(active, out["num_accepted"], -1)
+            ),
+            step=state.step + 1,
+        )
+
+    def output(self, state: LoopState) -> LoopOutput:
+        """The generated tokens and counts of a final state."""
+        positions = jnp.arange(self.max_new_tokens)
+        num_tokens = state.length - state.prompt_length
+        tokens = jnp.take_along_axis(
+            state.buffer, state.prompt_length[:, None] + positions, axis=1
+        )
+        return {
+            "tokens": jnp.where(positions < num_tokens[:, None], tokens, -1),
+            "num_tokens": num_tokens,
+            "num_steps": state.num_steps,
+            "num_accepted": state.num_accepted,
+            "num_target_calls": state.step,
+        }
+
+
+@eqx.filter_jit
+def _generate(
+    loop: SpeculativeLoop,
+    draft_model: Any,
+    target_model: Any,
+    prompt: Int[Array, "batch prompt"],
+    prompt_length: Int[Array, " batch"],
+    row_key: Key[Array, " batch"],
+) -> LoopOutput:
+    prompt_length = eqx.error_if(
+        prompt_length,
+        (prompt_length < 1) | (prompt_length > prompt.shape[1]),
+        f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
+    )
+
+    def body(state: LoopState) -> LoopState:
+        return loop.advance(
+            draft_model, target_model, state, *loop.uniforms(row_key, state.step)
+        )
+
+    final = jax.lax.while_loop(
+        lambda state: ~state.done.all(), body, loop.start(prompt, prompt_length)
+    )
+    return loop.output(final)

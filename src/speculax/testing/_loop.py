@@ -1,0 +1,535 @@
+"""Exact output distributions of the speculative sampling loop, by enumeration of the
+cells of its random numbers."""
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._loop import ACCEPT, DRAFT, SAMPLE, LanguageModel, LoopState, SpeculativeLoop
+from .._step import SpeculativeStep
+from ._chain import acceptance_thresholds
+
+
+# A random number of the loop, named by the data of the key it is drawn from: two
+# uses with equal keys read the same number.
+Name: TypeAlias = tuple[int, ...]
+# What is known of the random numbers still to be read again: each lies in an
+# interval [lo, hi), independently of the others.
+Constraints: TypeAlias = frozenset[tuple[Name, tuple[float, float]]]
+_MAX_LEAVES = 2_000_000
+
+
+class _Leaf(NamedTuple):
+    """One cell of one step's random numbers: the state it starts from, its
+    probability, the interval of each number and the number each use reads."""
+
+    state: int
+    probability: float
+    intervals: dict[Name, tuple[float, float]]
+    draft_uniforms: list[float]
+    accept_uniforms: list[float]
+    sample_uniform: float
+
+
+def loop_output_distribution(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: Sequence[int],
+) -> dict[tuple[int, ...], float]:
+    """Computes exactly the distribution of the tokens `loop` generates after one
+    prompt, over every value of its random numbers, by running the loop's own step.
+
+    Each random number is a uniform on $[0, 1)$, named by the key
+    [`loop.keys`][speculax.AbstractKeySchedule] gives it, so that two uses with the
+    same key read the same number: a schedule that reuses keys is enumerated as it
+    runs, not as intended. Step by step, every use of a number narrows the interval
+    it is known to lie in:
+
+    - draft token $i$ is $x$ exactly when its `DRAFT` number falls in $x$'s cell of
+        the cumulative distribution of $q_i$ (the softmax of the draft model's
+        logits after the history and $x_{<i}$);
+    - test $i$ passes exactly when its `ACCEPT` number lies below the threshold
+        found by bisection on `loop.step.acceptance` (as
+        [`speculax.testing.output_distribution`][] does);
+    - the drawn token is $y$ exactly when the `SAMPLE` number falls in $y$'s cell of
+        the cumulative distribution of the weights of `loop.step.residual` at the
+        count `loop.step.prefix` gives.
+
+    A cell's probability is the product, over its numbers, of the fraction of each
+    one's interval that remains. [`SpeculativeLoop.advance`][speculax.SpeculativeLoop]
+    is then called once per cell (all cells of a step as one batch), with every
+    number at the middle of its interval, and its new history is the cell's outcome.
+    The cells must be fine enough that the outcome is the same anywhere in a cell,
+    which holds when the drafts are drawn by inverse CDF and the step's sampler is an
+    inverse CDF or ignores its uniform (as [`speculax.Argmax`][] does). Intervals of
+    numbers that a later step reads again are carried into that step; the others are
+    forgotten, and states with the same history and the same intervals are merged.
+
+    Everything runs under `jax.enable_x64(True)`; give models whose logits are then
+    float64 (say, computed from NumPy float64 arrays), or rounding shows in the
+    result. The cost grows as $V^G$ per state and step: this is for small models,
+    say $V \\le 5$, $G \\le 3$ and `max_new_tokens` $\\le 6$.
+
+    **Arguments:**
+
+    - `loop`: the [`speculax.SpeculativeLoop`][], with its step, $G$, end token and
+        key schedule.
+    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `prompt`: one prompt, a sequence of at least one token.
+
+    **Returns:**
+
+    A dict from each generated token sequence (up to `max_new_tokens` tokens, or
+    fewer ending with the end token) to its probability; they sum to 1.
+
+    **Raises:**
+
+    `ValueError` for an empty prompt, an acceptance test seen not to be monotone in
+    its uniform, residual weights without positive mass where they are drawn from,
+    or more than two million cells in one step.
+    """
+    prompt = tuple(int(token) for token in prompt)
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    with jax.enable_x64(True):
+        names = [_uniform_names(loop, step) for step in range(loop.max_new_tokens)]
+        states: dict[tuple[tuple[int, ...], Constraints], float] = {
+            ((), frozenset()): 1.0
+        }
+        finished: defaultdict[tuple[int, ...], float] = defaultdict(float)
+        for step in range(loop.max_new_tokens):
+            if not states:
+                break
+            read_later = {
+                name
+                for later in names[step + 1 :]
+                for stream in later.values()
+                for name in stream
+            }
+            state_list = list(states.items())
+            leaves = _leaves(
+                loop, draft_model, target_model, prompt, state_list, names[step]
+            )
+            generated, done = _outcomes(
+                loop, draft_model, target_model, prompt, state_list, leaves, step
+            )
+            states = defaultdict(float)
+            for leaf, tokens, leaf_done in zip(leaves, generated, done, strict=True):
+                if leaf_done:
+                    finished[tokens] += leaf.probability
+                    continue
+                constraints = frozenset(
+                    (name, interval)
+                    for name, interval in leaf.intervals.items()
+                    if name in read_later
+                )
+                states[tokens, constraints] += leaf.probability
+    return dict(finished)
+
+
+def target_output_distribution(
+    target_model: LanguageModel,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    end_token: int | None = None,
+) -> dict[tuple[int, ...], float]:
+    """Computes exactly the distribution of `max_new_tokens` tokens sampled from the
+    target model one at a time after `prompt`, each from the softmax of its logits,
+    stopping early after `end_token`: what a lossless loop must reproduce.
+
+    Runs under `jax.enable_x64(True)`, like
+    [`speculax.testing.loop_output_distribution`][].
+
+    **Arguments:**
+
+    - `target_model`: a [`speculax.LanguageModel`][].
+    - `prompt`: one prompt, a sequence of at least one token.
+    - `max_new_tokens`: the number of tokens to sample.
+    - `end_token`: the token that ends a sequence, or `None`.
+
+    **Returns:**
+
+    A dict from each token sequence to its probability.
+    """
+    prompt = tuple(int(token) for token in prompt)
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    finished: dict[tuple[int, ...], float] = {}
+    states = {(): 1.0}
+    with jax.enable_x64(True):
+        for _ in range(max_new_tokens):
+            histories = [prompt + generated for generated in states]
+            buffer, lengths = _buffer(histories, len(prompt) + max_new_tokens)
+            (probs,) = _in_chunks(
+                lambda *rows: _next_token_probs(target_model, *rows), buffer, lengths
+            )
+            next_states: dict[tuple[int, ...], float] = {}
+            for (generated, probability), row in zip(
+                states.items(), probs, strict=True
+            ):
+                for token in np.flatnonzero(row):
+                    tokens = (*generated, int(token))
+                    ended = token == end_token or len(tokens) == max_new_tokens
+                    (finished if ended else next_states)[tokens] = float(
+                        probability * row[token]
+                    )
+            states = next_states
+    return finished
+
+
+def loop_lossless_error(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: Sequence[int],
+) -> float:
+    """The total variation distance between the exact distribution of what `loop`
+    generates after `prompt` and that of sampling the target model one token at a
+    time: $\\frac{1}{2} \\sum_x |P_\\text{loop}(x) - P_\\text{target}(x)|$ over
+    the token sequences $x$.
+
+    From [`speculax.testing.loop_output_distribution`][] and
+    [`speculax.testing.target_output_distribution`][], under their assumptions. A
+    lossless loop gives rounding error only, about $10^{-15}$.
+
+    **Arguments:**
+
+    - `loop`: the loop to check.
+    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `prompt`: one prompt, a sequence of at least one token.
+
+    **Returns:**
+
+    The distance, a Python float in $[0, 1]$.
+    """
+    generated = loop_output_distribution(loop, draft_model, target_model, prompt)
+    target = target_output_distribution(
+        target_model, prompt, loop.max_new_tokens, loop.end_token
+    )
+    return 0.5 * sum(
+        abs(generated.get(tokens, 0.0) - target.get(tokens, 0.0))
+        for tokens in generated.keys() | target.keys()
+    )
+
+
+@eqx.filter_jit
+def _next_token_probs(
+    model: LanguageModel, buffer: jax.Array, length: jax.Array
+) -> tuple[jax.Array]:
+    return (jax.nn.softmax(model(buffer, (length - 1)[:, None])[:, 0], axis=-1),)
+
+
+def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
+    """The name of each random number step `step` reads, per stream, for a row whose
+    key is `jax.random.key(0)`."""
+    row_key = jax.random.key(0)
+
+    def name(stream: int, position: int) -> Name:
+        key = loop.keys(row_key, jnp.int32(step), stream, jnp.int32(position))
+        return tuple(int(word) for word in np.asarray(jax.random.key_data(key)))
+
+    return {
+        DRAFT: [name(DRAFT, i) for i in range(loop.num_draft)],
+        ACCEPT: [name(ACCEPT, i) for i in range(loop.num_draft)],
+        SAMPLE: [name(SAMPLE, 0)],
+    }
+
+
+def _buffer(
+    histories: Sequence[tuple[int, ...]], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The histories as the rows of a zero-padded buffer, and their lengths."""
+    buffer = np.zeros((len(histories), width), np.int32)
+    for row, history in enumerate(histories):
+        buffer[row, : len(history)] = history
+    lengths = np.array([len(history) for history in histories], np.int32)
+    return buffer, lengths
+
+
+def _leaves(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: tuple[int, ...],
+    states: list[tuple[tuple[tuple[int, ...], Constraints], float]],
+    names: dict[int, list[Name]],
+) -> list[_Leaf]:
+    """Every cell of one step's random numbers, from each state, with positive
+    probability."""
+    num_draft = loop.num_draft
+    vocab = jax.eval_shape(
+        target_model,
+        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+    ).shape[-1]
+    sequences = np.array(
+        list(itertools.product(range(vocab), repeat=num_draft)), np.int32
+    ).reshape(vocab**num_draft, num_draft)
+    if len(states) * len(sequences) * 2**num_draft * vocab > _MAX_LEAVES:
+        raise ValueError(
+            f"{len(states)} states x V^G = {vocab}^{num_draft} draft sequences is too "
+            "many to enumerate"
+        )
+    rows = [
+        (state, sequence)
+        for state in range(len(states))
+        for sequence in range(len(sequences))
+    ]
+    histories = [
+        prompt + states[state][0][0] + tuple(sequences[sequence].tolist())
+        for state, sequence in rows
+    ]
+    buffer, lengths = _buffer(
+        histories, len(prompt) + loop.max_new_tokens + num_draft + 1
+    )
+    draft_probs, thresholds, monotone, weights = _in_chunks(
+        lambda *rows: _run_step_pieces(loop, draft_model, target_model, *rows),
+        buffer,
+        lengths,
+        sequences[[sequence for _, sequence in rows]],
+    )
+    counts = np.asarray(_prefix_counts(loop.step, num_draft))
+    draft_cdf = _cdf(draft_probs.astype(np.float64))
+    weights = weights.astype(np.float64).reshape(-1, num_draft + 1, vocab)
+    patterns = list(itertools.product([True, False], repeat=num_draft))
+
+    leaves = []
+    for row, (state, sequence) in enumerate(rows):
+        (_, constraints), probability = states[state]
+        drafted = _narrowed(
+            dict(constraints),
+            probability,
+            [
+                (
+                    names[DRAFT][i],
+                    draft_cdf[row, i, token],
+                    draft_cdf[row, i, token + 1],
+                )
+                for i, token in enumerate(sequences[sequence])
+            ],
+        )
+        if drafted is None:
+            continue
+        if not monotone[row].all():
+            raise ValueError(
+                "loop.step.acceptance is not monotone in the uniform: a position "
+                "passes at some u above the threshold found by bisection or fails at "
+                "some u below it"
+            )
+        for pattern in patterns:
+            tested = _narrowed(
+                *drafted,
+                [
+                    (name, 0.0, threshold) if passed else (name, threshold, 1.0)
+                    for name, threshold, passed in zip(
+                        names[ACCEPT], thresholds[row], pattern, strict=True
+                    )
+                ],
+            )
+            if tested is None:
+                continue
+            count = int(counts[patterns.index(pattern)])
+            residual = weights[row, count]
+            if not (np.all(np.isfinite(residual) & (residual >= 0)) and residual.sum()):
+                raise ValueError(
+                    "loop.step.residual returned weights that are negative, not "
+                    "finite or without positive mass, in a state reached with "
+                    "positive probability"
+                )
+            sample_cdf = _cdf(residual)
+            for token in np.flatnonzero(residual):
+                sampled = _narrowed(
+                    *tested,
+                    [(names[SAMPLE][0], sample_cdf[token], sample_cdf[token + 1])],
+                )
+                if sampled is None:
+                    continue
+                intervals, leaf_probability = sampled
+
+                def middle(name: Name, intervals=intervals) -> float:
+                    low, high = intervals[name]
+                    return (low + high) / 2
+
+                leaves.append(
+                    _Leaf(
+                        state,
+                        leaf_probability,
+                        intervals,
+                        [middle(name) for name in names[DRAFT]],
+                        [middle(name) for name in names[ACCEPT]],
+                        middle(names[SAMPLE][0]),
+                    )
+                )
+    return leaves
+
+
+def _narrowed(
+    intervals: dict[Name, tuple[float, float]],
+    probability: float,
+    uses: list[tuple[Name, float, float]],
+) -> tuple[dict[Name, tuple[float, float]], float] | None:
+    """The intervals and probability after each named number is found to lie in
+    `[low, high)`, one use after another; `None` when a use leaves no room.
+
+    Each number is uniform on its interval and independent of the others, so
+    narrowing one multiplies the probability by the fraction of its interval kept.
+    """
+    intervals = dict(intervals)
+    for name, low, high in uses:
+        old_low, old_high = intervals.get(name, (0.0, 1.0))
+        new_low, new_high = max(old_low, low), min(old_high, high)
+        if new_high <= new_low:
+            return None
+        probability *= (new_high - new_low) / (old_high - old_low)
+        intervals[name] = (new_low, new_high)
+    return intervals, probability
+
+
+def _cdf(weights: np.ndarray) -> np.ndarray:
+    """The edges of each token's cell under inverse-CDF sampling: entry $v$ and
+    $v + 1$ of the last axis bound the uniforms that draw $v$."""
+    total = np.sum(weights, axis=-1, keepdims=True)
+    cumulative = np.cumsum(weights, axis=-1) / np.where(total > 0, total, 1)
+    return np.concatenate([np.zeros_like(total), cumulative], axis=-1)
+
+
+@eqx.filter_jit
+def _run_step_pieces(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    buffer: jax.Array,
+    length: jax.Array,
+    draft_tokens: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For histories whose last $G$ tokens are the drafts, the draft probabilities,
+    and the pieces of `loop.step` on them: the acceptance thresholds, whether they
+    are consistent, and the residual weights at every stopping position."""
+    step = loop.step
+    rows, num_draft = draft_tokens.shape
+    positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
+    draft_probs = jax.nn.softmax(draft_model(buffer, positions[:, :-1]), axis=-1)
+    target_probs = jax.nn.softmax(target_model(buffer, positions), axis=-1)
+    if num_draft:
+        thresholds, monotone = acceptance_thresholds(
+            step.acceptance, draft_tokens, draft_probs, target_probs
+        )
+    else:
+        thresholds = jnp.zeros((rows, 0), jnp.float64)
+        monotone = jnp.ones((rows, 0), jnp.bool_)
+    stops = num_draft + 1
+    weights = step.residual(
+        jnp.tile(jnp.arange(stops), rows),
+        jnp.repeat(draft_tokens, stops, axis=0),
+        jnp.repeat(draft_probs, stops, axis=0),
+        jnp.repeat(target_probs, stops, axis=0),
+        num_draft_tokens=None,
+    )
+    return draft_probs, thresholds, monotone, weights.reshape(rows, stops, -1)
+
+
+def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
+    """The prefix count of every pattern of verdicts, in the order of
+    `itertools.product([True, False])`."""
+    patterns = jnp.array(
+        list(itertools.product([True, False], repeat=num_draft)), jnp.bool_
+    ).reshape(2**num_draft, num_draft)
+    return step.prefix(patterns)
+
+
+# The compiled functions see batches of this many rows, whatever the step.
+_CHUNK = 1024
+
+
+def _in_chunks(function: Callable[..., tuple], *arrays: np.ndarray) -> list[np.ndarray]:
+    """`function` applied to the rows of `arrays` `_CHUNK` at a time (the last chunk
+    padded with copies of row 0), its outputs concatenated as NumPy arrays."""
+    size = len(arrays[0])
+    outputs = []
+    for start in range(0, size, _CHUNK):
+        rows = [array[start : start + _CHUNK] for array in arrays]
+        padding = _CHUNK - len(rows[0])
+        rows = [
+            np.concatenate([part, np.repeat(array[:1], padding, axis=0)])
+            for part, array in zip(rows, arrays, strict=True)
+        ]
+        outputs.append([np.asarray(out) for out in function(*map(jnp.asarray, rows))])
+    return [np.concatenate(parts)[:size] for parts in zip(*outputs, strict=True)]
+
+
+def _outcomes(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: tuple[int, ...],
+    states: list[tuple[tuple[tuple[int, ...], Constraints], float]],
+    leaves: list[_Leaf],
+    step: int,
+) -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Runs the loop's own step on every leaf, at the leaf's uniforms, and reads the
+    tokens generated so far and whether the row has finished."""
+    if not leaves:
+        return [], []
+    batch, num_draft = len(leaves), loop.num_draft
+    buffer, lengths = _buffer(
+        [prompt + states[leaf.state][0][0] for leaf in leaves],
+        len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
+    )
+    buffer, length, done = _in_chunks(
+        lambda *rows: _advance(
+            loop, draft_model, target_model, len(prompt), step, *rows
+        ),
+        buffer,
+        lengths,
+        np.array([leaf.draft_uniforms for leaf in leaves]).reshape(batch, num_draft),
+        np.array([leaf.accept_uniforms for leaf in leaves]).reshape(batch, num_draft),
+        np.array([leaf.sample_uniform for leaf in leaves]),
+    )
+    generated = [
+        tuple(row[len(prompt) : row_length].tolist())
+        for row, row_length in zip(buffer, length, strict=True)
+    ]
+    return generated, done.tolist()
+
+
+@eqx.filter_jit
+def _advance(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt_length: int,
+    step: int,
+    buffer: jax.Array,
+    length: jax.Array,
+    draft_uniforms: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
+    step `step`: the new buffer, lengths and finished flags."""
+    batch = buffer.shape[0]
+    state = LoopState(
+        buffer=buffer,
+        prompt_length=jnp.full((batch,), prompt_length, jnp.int32),
+        length=length,
+        done=jnp.zeros((batch,), jnp.bool_),
+        num_steps=jnp.zeros((batch,), jnp.int32),
+        num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
+        step=jnp.int32(step),
+    )
+    after = loop.advance(
+        draft_model,
+        target_model,
+        state,
+        draft_uniforms,
+        accept_uniforms,
+        sample_uniforms,
+    )
+    return after.buffer, after.length, after.done
