@@ -247,6 +247,11 @@ class SpeculativeLoop(eqx.Module):
                 f"prompt_lengths must have shape ({batch},), one per prompt; got shape "
                 f"{prompt_lengths.shape}"
             )
+        for name, array in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
+            if not jnp.issubdtype(array.dtype, jnp.integer):
+                raise TypeError(
+                    f"{name} must be an integer array; got dtype {array.dtype}"
+                )
         return _generate(
             self,
             draft_model,
@@ -402,6 +407,13 @@ def _generate(
         prompt_length,
         (prompt_length < 1) | (prompt_length > prompt.shape[1]),
         f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
+    )
+    vocab = jax.eval_shape(target_model, prompt, prompt[:, :1]).shape[-1]
+    in_prompt = jnp.arange(prompt.shape[1]) < prompt_length[:, None]
+    prompt = eqx.error_if(
+        prompt,
+        in_prompt & ((prompt < 0) | (prompt >= vocab)),
+        f"prompt tokens must lie in [0, V) = [0, {vocab})",
     )
 
     def body(state: LoopState) -> LoopState:

@@ -484,7 +484,12 @@ def _outcomes(
     )
     buffer, length, done = _in_chunks(
         lambda *rows: _advance(
-            loop, draft_model, target_model, len(prompt), step, *rows
+            loop,
+            draft_model,
+            target_model,
+            jnp.int32(len(prompt)),
+            jnp.int32(step),
+            *rows,
         ),
         buffer,
         lengths,
@@ -504,8 +509,8 @@ def _advance(
     loop: SpeculativeLoop,
     draft_model: LanguageModel,
     target_model: LanguageModel,
-    prompt_length: int,
-    step: int,
+    prompt_length: jax.Array,
+    step: jax.Array,
     buffer: jax.Array,
     length: jax.Array,
     draft_uniforms: jax.Array,

@@ -1,0 +1,378 @@
+"""The speculative sampling loop: lossless over many steps, exactly (by enumeration)
+and statistically (the jitted loop), with its key discipline, finished rows, batch
+invariance and bad input."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, Float, Int
+from scipy import stats
+
+import speculax
+import speculax.testing
+
+
+class MarkovModel(eqx.Module):
+    """A model whose next token depends on the last `context` tokens only (the first
+    token standing in for those before the start), through a table of logits."""
+
+    logits: Float[np.ndarray, "contexts vocab"]
+    context: int = eqx.field(static=True)
+
+    def __call__(
+        self, tokens: Int[Array, "batch time"], positions: Int[Array, "batch k"]
+    ) -> Float[Array, "batch k vocab"]:
+        vocab = self.logits.shape[-1]
+        row = jnp.zeros(positions.shape, jnp.int32)
+        for back in range(self.context):
+            earlier = jnp.maximum(positions - back, 0)
+            row = row * vocab + jnp.take_along_axis(tokens, earlier, axis=1)
+        return jnp.asarray(self.logits)[row]
+
+
+def markov_pair(vocab: int, context: int, seed: int) -> tuple[MarkovModel, MarkovModel]:
+    """A draft and a target model with random tables, in float64 so that the exact
+    enumeration sees exact probabilities; some transitions of each are impossible."""
+    rng = np.random.default_rng(seed)
+    models = []
+    for _ in range(2):
+        probs = rng.dirichlet(np.ones(vocab), size=vocab**context)
+        probs[rng.random(probs.shape) < 0.1] = 0
+        probs[:, 0] += 0.05  # no row without mass
+        with np.errstate(divide="ignore"):
+            models.append(
+                MarkovModel(np.log(probs / probs.sum(-1, keepdims=True)), context)
+            )
+    return models[0], models[1]
+
+
+class ReusedAcrossSteps(speculax.AbstractKeySchedule):
+    """A wrong schedule: the same keys in every step."""
+
+    def __call__(self, row_key, step, stream, position):
+        fold_in = jax.random.fold_in
+        return fold_in(fold_in(row_key, stream), position)
+
+
+class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
+    """A wrong schedule: draft token i drawn with the uniform of test i."""
+
+    def __call__(self, row_key, step, stream, position):
+        stream = speculax.ACCEPT if stream == speculax.DRAFT else stream
+        return speculax.FoldInKeys()(row_key, step, stream, position)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "context", "num_draft", "max_new_tokens", "end_token", "step"),
+    [
+        (3, 2, 2, 5, None, speculax.SpeculativeStep()),
+        (3, 1, 2, 6, 2, speculax.SpeculativeStep()),
+        (4, 1, 2, 4, 1, speculax.SpeculativeStep()),
+        (3, 1, 3, 4, 1, speculax.SpeculativeStep()),
+        (5, 1, 1, 4, None, speculax.SpeculativeStep()),
+        (3, 2, 0, 4, None, speculax.SpeculativeStep()),
+        (3, 1, 2, 5, 0, speculax.block_step()),
+    ],
+    ids=["V3 C2 G2", "V3 C1 G2 end", "V4 G2 end", "V3 G3 end", "V5 G1", "G0", "block"],
+)
+def test_loop_is_lossless_exactly(
+    vocab, context, num_draft, max_new_tokens, end_token, step
+):
+    draft, target = markov_pair(vocab, context, seed=vocab + context + num_draft)
+    loop = speculax.SpeculativeLoop(
+        num_draft=num_draft,
+        max_new_tokens=max_new_tokens,
+        end_token=end_token,
+        step=step,
+    )
+    expected = speculax.testing.target_output_distribution(
+        target, [1, 0], max_new_tokens, end_token
+    )
+    # Not vacuous: many sequences, some of them ended early.
+    assert sum(expected.values()) == pytest.approx(1, abs=1e-12)
+    assert len(expected) > vocab**3
+    if end_token is not None:
+        assert any(len(tokens) < max_new_tokens for tokens in expected)
+    assert speculax.testing.loop_lossless_error(loop, draft, target, [1, 0]) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "keys", [ReusedAcrossSteps(), DraftNoiseIsAcceptNoise()], ids=["steps", "streams"]
+)
+def test_exact_test_catches_reused_random_numbers(keys):
+    # The models and sizes of the first lossless case, "V3 C2 G2".
+    draft, target = markov_pair(3, 2, seed=7)
+    wrong = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=5, keys=keys)
+    assert speculax.testing.loop_lossless_error(wrong, draft, target, [1, 0]) > 0.01
+
+
+def test_exact_test_catches_a_lossy_step():
+    draft, target = markov_pair(3, 2, seed=7)
+    lossy = speculax.SpeculativeLoop(
+        num_draft=2,
+        max_new_tokens=5,
+        step=speculax.SpeculativeStep(speculax.TypicalAcceptance()),
+    )
+    assert speculax.testing.loop_lossless_error(lossy, draft, target, [1, 0]) > 0.01
+
+
+def test_greedy_loop_is_greedy_decoding():
+    draft, target = markov_pair(4, 1, seed=3)
+    loop = speculax.SpeculativeLoop(
+        num_draft=2, max_new_tokens=5, step=speculax.greedy_step()
+    )
+    history = [2]
+    for _ in range(5):
+        logits = target(jnp.array([history]), jnp.array([[len(history) - 1]]))
+        history.append(int(jnp.argmax(logits[0, 0])))
+    greedy = tuple(history[1:])
+    assert speculax.testing.loop_output_distribution(loop, draft, target, [2]) == {
+        greedy: pytest.approx(1, abs=1e-12)
+    }
+    out = loop(draft, target, jnp.array([[2]]), key=jax.random.key(0))
+    assert tuple(out["tokens"][0].tolist()) == greedy
+
+
+# The statistical test runs the real jitted loop, keys and all, on many rows.
+NUM_ROWS = 20_000
+STAT_TOKENS = 4
+
+
+def sequence_counts(loop, draft, target) -> tuple[np.ndarray, np.ndarray]:
+    """Observed and exact expected counts of the generated sequences over NUM_ROWS
+    rows with the same prompt; sequences expected fewer than 5 times share a bin."""
+    prompt = jnp.broadcast_to(jnp.array([1, 0]), (NUM_ROWS, 2))
+    out = loop(draft, target, prompt, key=jax.random.split(jax.random.key(5), NUM_ROWS))
+    tokens, lengths = np.asarray(out["tokens"]), np.asarray(out["num_tokens"])
+    seen: dict[tuple[int, ...], int] = {}
+    for row, length in zip(tokens, lengths, strict=True):
+        sequence = tuple(row[:length].tolist())
+        seen[sequence] = seen.get(sequence, 0) + 1
+    exact = speculax.testing.target_output_distribution(
+        target, [1, 0], STAT_TOKENS, loop.end_token
+    )
+    assert set(seen) <= set(exact)
+    observed, expected, rare_observed, rare_expected = [], [], 0, 0.0
+    for sequence, probability in exact.items():
+        if probability * NUM_ROWS >= 5:
+            observed.append(seen.get(sequence, 0))
+            expected.append(probability * NUM_ROWS)
+        else:
+            rare_observed += seen.get(sequence, 0)
+            rare_expected += probability * NUM_ROWS
+    if rare_expected > 0:
+        observed.append(rare_observed)
+        expected.append(rare_expected)
+    return np.array(observed), np.array(expected)
+
+
+@pytest.mark.parametrize(
+    ("keys", "lossless"),
+    [(speculax.FoldInKeys(), True), (DraftNoiseIsAcceptNoise(), False)],
+    ids=["default keys", "draft noise reused"],
+)
+def test_jitted_loop_samples_the_target(keys, lossless):
+    draft, target = markov_pair(3, 1, seed=11)
+    loop = speculax.SpeculativeLoop(
+        num_draft=3, max_new_tokens=STAT_TOKENS, end_token=2, keys=keys
+    )
+    observed, expected = sequence_counts(loop, draft, target)
+    assert len(observed) > 15
+    p_value = stats.chisquare(observed, expected).pvalue
+    if lossless:
+        assert p_value > 1e-3
+    else:
+        assert p_value < 1e-6
+
+
+def test_default_keys_are_never_reused():
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=6)
+    row_keys = jax.random.split(jax.random.key(0), 4)
+    seen = set()
+    for row_key, step in itertools.product(row_keys, range(6)):
+        for stream, count in ((speculax.DRAFT, 3), (speculax.ACCEPT, 3)):
+            for position in range(count):
+                key = loop.keys(row_key, jnp.int32(step), stream, jnp.int32(position))
+                seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
+        key = loop.keys(row_key, jnp.int32(step), speculax.SAMPLE, jnp.int32(0))
+        seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
+    assert len(seen) == 4 * 6 * 7
+
+
+def test_uniforms_are_drawn_from_the_schedule():
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
+    row_keys = jax.random.split(jax.random.key(1), 3)
+    draft, accept, sample = loop.uniforms(row_keys, jnp.int32(4))
+    fold_in = jax.random.fold_in
+    for row, row_key in enumerate(row_keys):
+        for stream, values in ((speculax.DRAFT, draft), (speculax.ACCEPT, accept)):
+            for i in range(2):
+                key = fold_in(fold_in(fold_in(row_key, 4), stream), i)
+                assert values[row, i] == jax.random.uniform(key)
+        key = fold_in(fold_in(fold_in(row_key, 4), speculax.SAMPLE), 0)
+        assert sample[row] == jax.random.uniform(key)
+
+
+def check_rows(out, loop: speculax.SpeculativeLoop) -> None:
+    """What every row of any output satisfies."""
+    tokens, num_tokens = np.asarray(out["tokens"]), np.asarray(out["num_tokens"])
+    num_steps, accepted = np.asarray(out["num_steps"]), np.asarray(out["num_accepted"])
+    assert int(out["num_target_calls"]) == num_steps.max()
+    for row in range(tokens.shape[0]):
+        n = num_tokens[row]
+        assert 1 <= n <= loop.max_new_tokens
+        assert (tokens[row, :n] >= 0).all() and (tokens[row, n:] == -1).all()
+        if loop.end_token is not None:
+            ends = np.flatnonzero(tokens[row, :n] == loop.end_token)
+            assert ends.size == 0 or ends.tolist() == [n - 1]
+            assert ends.size == 1 or n == loop.max_new_tokens
+        steps = num_steps[row]
+        assert (accepted[row, :steps] >= 0).all() and (
+            accepted[row, steps:] == -1
+        ).all()
+        # Each step gives its kept drafts and one more token; the last may be cut.
+        given = accepted[row, :steps] + 1
+        assert given[:-1].sum() < n <= given.sum()
+
+
+def test_rows_finish_at_different_steps():
+    draft, target = markov_pair(5, 1, seed=2)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=12, end_token=4)
+    prompt = jnp.array([[0, 1, 2], [3, 3, 3], [1, 1, 0], [2, 0, 4], [4, 2, 1]] * 4)
+    out = loop(draft, target, prompt, key=jax.random.key(3))
+    check_rows(out, loop)
+    num_tokens, num_steps = np.asarray(out["num_tokens"]), np.asarray(out["num_steps"])
+    assert len(set(num_steps.tolist())) > 2
+    assert (num_tokens < 12).any() and (num_tokens == 12).any()
+
+
+def test_row_is_batch_invariant_bit_for_bit():
+    draft, target = markov_pair(5, 2, seed=4)
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=10, end_token=0)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, 5, (6, 4)), jnp.int32)
+    lengths = jnp.array([4, 1, 2, 4, 3, 2])
+    keys = jax.random.split(jax.random.key(9), 6)
+    together = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
+    check_rows(together, loop)
+    for row in (1, 4):
+        alone = loop(
+            draft,
+            target,
+            prompt[row : row + 1, : int(lengths[row])],
+            key=keys[row : row + 1],
+        )
+        for name in ("tokens", "num_tokens", "num_steps", "num_accepted"):
+            assert (alone[name][0] == together[name][row]).all(), name
+
+
+def test_draft_equal_to_target_keeps_every_draft():
+    _, target = markov_pair(4, 1, seed=5)
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=12)
+    out = loop(target, target, jnp.zeros((8, 1), jnp.int32), key=jax.random.key(0))
+    check_rows(out, loop)
+    assert (np.asarray(out["num_accepted"])[:, :3] == 3).all()
+    assert int(out["num_target_calls"]) == 3
+
+
+def test_one_compilation_for_new_prompts_and_keys():
+    traces = []
+
+    def model(tokens, positions):
+        traces.append(None)
+        return jnp.zeros((*positions.shape, 3))
+
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4)
+    loop(model, model, jnp.zeros((2, 3), jnp.int32), key=jax.random.key(0))
+    traced = len(traces)
+    assert traced > 0
+    for seed in (1, 2):
+        loop(model, model, jnp.full((2, 3), seed), key=jax.random.key(seed))
+    assert len(traces) == traced
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"num_draft": -1}, ValueError, "num_draft must be non-negative"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be positive"),
+        ({"end_token": -2}, ValueError, "end_token must be non-negative"),
+        (
+            {"step": speculax.SpeculativeStep(throw=False)},
+            ValueError,
+            "throw=True",
+        ),
+    ],
+)
+def test_bad_construction(arguments, error, match):
+    with pytest.raises(error, match=match):
+        speculax.SpeculativeLoop(**{"num_draft": 2, "max_new_tokens": 4, **arguments})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "error", "match"),
+    [
+        (np.zeros((2,), np.int32), {}, ValueError, "prompt must have shape"),
+        (np.zeros((2, 0), np.int32), {}, ValueError, "prompt must have shape"),
+        (np.zeros((2, 3), np.float32), {}, TypeError, "prompt must be an integer"),
+        (
+            np.zeros((2, 3), np.int32),
+            {"prompt_lengths": np.array([1.0, 2.0])},
+            TypeError,
+            "prompt_lengths must be an integer",
+        ),
+        (
+            np.zeros((2, 3), np.int32),
+            {"prompt_lengths": np.array([1, 2, 3])},
+            ValueError,
+            r"prompt_lengths must have shape \(2,\)",
+        ),
+        (
+            np.zeros((2, 3), np.int32),
+            {"prompt_lengths": np.array([1, 4])},
+            RuntimeError,
+            r"prompt_lengths must lie in \[1, P\]",
+        ),
+        (
+            np.zeros((2, 3), np.int32),
+            {"prompt_lengths": np.array([0, 2])},
+            RuntimeError,
+            r"prompt_lengths must lie in \[1, P\]",
+        ),
+        (
+            np.array([[0, 1, 3], [0, 1, 2]]),
+            {},
+            RuntimeError,
+            r"prompt tokens must lie in \[0, V\) = \[0, 3\)",
+        ),
+        (
+            np.array([[0, 1, 2], [0, -1, 2]]),
+            {},
+            RuntimeError,
+            r"prompt tokens must lie in \[0, V\)",
+        ),
+        (
+            np.array([[0, 1, 2], [0, 1, 2**40]]),
+            {},
+            RuntimeError,
+            r"prompt tokens must lie in \[0, V\)",
+        ),
+        # The message is jaxtyping's when runtime type checking is on, as here.
+        (np.zeros((2, 3), np.int32), {"key": 0}, TypeError, "key"),
+        (
+            np.zeros((2, 3), np.int32),
+            {"key": jax.random.split(jax.random.key(0), 3)},
+            ValueError,
+            r"one key per row, shape \(\) or \(2,\)",
+        ),
+    ],
+)
+def test_bad_input(prompt, kwargs, error, match):
+    draft, target = markov_pair(3, 1, seed=0)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
+    with pytest.raises(error, match=match):
+        loop(draft, target, prompt, **{"key": jax.random.key(0), **kwargs})
