@@ -25,8 +25,15 @@ positions in it, returns float `(B, K, V)` logits, entry `[b, k]` those of the t
 that follows `tokens[b, :positions[b, k] + 1]`. It must read only the tokens at or
 before each position: the buffer holds anything past them."""
 
-# The three uses of random numbers in a step, each a stream of the key schedule.
-DRAFT, ACCEPT, SAMPLE = 0, 1, 2
+DRAFT = 0
+"""The stream of the key schedule that draws the draft tokens: $G$ uniforms a step,
+draft token $i$ drawn from $q_i$ by inverse CDF with uniform $i$."""
+ACCEPT = 1
+"""The stream of the key schedule that draws the acceptance tests' uniforms $u_i$:
+$G$ a step."""
+SAMPLE = 2
+"""The stream of the key schedule that draws the uniform $s$ of the correction or
+bonus token: one a step, at position 0."""
 
 
 class AbstractKeySchedule(eqx.Module):
