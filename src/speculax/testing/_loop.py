@@ -75,8 +75,9 @@ def loop_output_distribution(
     Everything runs under `jax.enable_x64(True)`; give models whose logits are then
     float64, or rounding shows in the result: say, Equinox modules holding NumPy
     float64 arrays as fields. (A NumPy array captured by a plain function that JAX
-    has already traced without x64 may stay float32.) The cost grows as $V^G$ per state and step: this is for small models,
-    say $V \\le 5$, $G \\le 3$ and `max_new_tokens` $\\le 6$.
+    has already traced without x64 may stay float32.) The cost grows as $V^G$ per
+    state and step: this is for small models, say $V \\le 5$, $G \\le 3$ and
+    `max_new_tokens` $\\le 6$.
 
     **Arguments:**
 

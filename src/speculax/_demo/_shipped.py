@@ -1,0 +1,105 @@
+import io
+from pathlib import Path
+from typing import BinaryIO, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._models import WindowModel
+
+
+# The hyperparameters of the shipped weights, which scripts/train_demo_models.py
+# trained: loading builds a model of exactly these shapes.
+DRAFT_HYPERPARAMETERS: dict[str, int] = {
+    "window": 4,
+    "embed_size": 16,
+    "hidden_size": 128,
+    "depth": 1,
+}
+TARGET_HYPERPARAMETERS: dict[str, int] = {
+    "window": 16,
+    "embed_size": 32,
+    "hidden_size": 768,
+    "depth": 2,
+}
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DRAFT_WEIGHTS = "draft.eqx"
+TARGET_WEIGHTS = "target.eqx"
+# Weights are stored in float16, and computed with in float32.
+STORAGE_DTYPE = jnp.float16
+
+
+def _as_dtype(model: WindowModel, dtype) -> WindowModel:
+    return jax.tree.map(
+        lambda leaf: leaf.astype(dtype) if eqx.is_inexact_array(leaf) else leaf, model
+    )
+
+
+def _file(path: str | Path | io.BufferedIOBase):
+    # Equinox's annotation is typing.BinaryIO, which no real file object subclasses,
+    # so the runtime checks of this package cannot use it (nor this return type).
+    return cast(str | Path | BinaryIO, path)
+
+
+def save_model(model: WindowModel, path: str | Path | io.BufferedIOBase) -> None:
+    """Writes a model's weights, in float16, as `eqx.tree_serialise_leaves` does.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `path`: the file, or a binary file object, to write.
+    """
+    eqx.tree_serialise_leaves(_file(path), _as_dtype(model, STORAGE_DTYPE))
+
+
+def load_model(
+    path: str | Path | io.BufferedIOBase, hyperparameters: dict[str, int]
+) -> WindowModel:
+    """Reads the weights `save_model` wrote, back in float32.
+
+    **Arguments:**
+
+    - `path`: the file, or a binary file object, to read.
+    - `hyperparameters`: the keyword arguments of `WindowModel` (less `key`) that
+        the saved model was built with.
+
+    **Returns:**
+
+    The model, its weights float32.
+    """
+    skeleton = eqx.filter_eval_shape(
+        lambda: WindowModel(**hyperparameters, key=jax.random.key(0))
+    )
+    skeleton = jax.tree.map(
+        lambda leaf: (
+            jax.ShapeDtypeStruct(leaf.shape, STORAGE_DTYPE)
+            if isinstance(leaf, jax.ShapeDtypeStruct)
+            and jnp.issubdtype(leaf.dtype, jnp.inexact)
+            else leaf
+        ),
+        skeleton,
+    )
+    return _as_dtype(eqx.tree_deserialise_leaves(_file(path), skeleton), jnp.float32)
+
+
+def _load_shipped(name: str, hyperparameters: dict[str, int]) -> WindowModel:
+    return load_model(WEIGHTS_DIR / name, hyperparameters)
+
+
+def load_demo_models() -> tuple[WindowModel, WindowModel]:
+    """The demo's draft and target models, with the weights shipped in the package.
+
+    Both are `WindowModel`s trained by `scripts/train_demo_models.py` on the
+    source of some standard-library modules (`corpus`): the draft reads the
+    last 4 bytes (embeddings of 16, one hidden layer of 128), the target the last 16
+    (embeddings of 32, two hidden layers of 768).
+
+    **Returns:**
+
+    A tuple `(draft, target)` of `WindowModel`s, their weights float32.
+    """
+    return (
+        _load_shipped(DRAFT_WEIGHTS, DRAFT_HYPERPARAMETERS),
+        _load_shipped(TARGET_WEIGHTS, TARGET_HYPERPARAMETERS),
+    )

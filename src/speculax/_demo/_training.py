@@ -1,0 +1,184 @@
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, Integer, PRNGKeyArray, PyTree
+
+from ._models import WindowModel
+
+
+def sequence_loss(
+    model: WindowModel, rows: Int[Array, "batch length"]
+) -> Float[Array, ""]:
+    """The mean cross entropy, in nats, of every next token of some rows of tokens.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `rows`: integer `(B, L)`, byte tokens; token $i + 1$ of each row is predicted
+        from tokens $0, \\ldots, i$, for $i < L - 1$.
+
+    **Returns:**
+
+    A float32 scalar, the mean over the $B (L - 1)$ predictions.
+    """
+    batch, length = rows.shape
+    positions = jnp.broadcast_to(
+        jnp.arange(length - 1, dtype=jnp.int32), (batch, length - 1)
+    )
+    logits = model(rows, positions)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, rows[:, 1:, None], axis=-1)
+    return -jnp.mean(picked)
+
+
+def held_out_loss(
+    model: WindowModel,
+    tokens: Integer[np.ndarray, " size"],
+    *,
+    chunk: int = 4096,
+) -> float:
+    """The loss of a model on a text, in nats per byte: the mean cross entropy of
+    every byte after the first, each given all the bytes before it.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `tokens`: integer `(size,)` with `size >= 2`, byte tokens in `[0, 256)`.
+    - `chunk`: keyword only, how many positions one call of the model reads.
+
+    **Returns:**
+
+    The mean over the `size - 1` predictions, a Python float.
+    """
+    if len(tokens) < 2:
+        raise ValueError("the text needs at least two tokens")
+    buffer = jnp.asarray(tokens, dtype=jnp.int32)[None, :]
+    count = len(tokens) - 1
+    chunk = min(chunk, count)
+    total = 0.0
+    for start in range(0, count, chunk):
+        total += float(_chunk_loss(model, buffer, jnp.int32(start), chunk))
+    return total / count
+
+
+@eqx.filter_jit
+def _chunk_loss(
+    model: WindowModel, buffer: Int[Array, "1 size"], start: Int[Array, ""], chunk: int
+) -> Float[Array, ""]:
+    # The summed loss of the predictions at positions start, ..., start + chunk - 1,
+    # those past the last prediction left out.
+    count = buffer.shape[1] - 1
+    positions = start + jnp.arange(chunk, dtype=jnp.int32)
+    valid = positions < count
+    positions = jnp.where(valid, positions, 0)
+    logits = model(buffer, positions[None, :])[0]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    targets = buffer[0, positions + 1]
+    picked = jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
+    return -jnp.sum(jnp.where(valid, picked, 0.0))
+
+
+def _learning_rate(
+    step: Int[Array, ""], steps: int, peak: int | float
+) -> Float[Array, ""]:
+    # Linear warmup over the first twentieth, then a cosine decay to a tenth.
+    warmup = max(1, steps // 20)
+    fraction = jnp.clip((step - warmup) / max(1, steps - warmup), 0.0, 1.0)
+    decay = 0.1 + 0.45 * (1.0 + jnp.cos(math.pi * fraction))
+    return peak * jnp.minimum((step + 1) / warmup, 1.0) * decay
+
+
+def train(
+    model: WindowModel,
+    tokens: Integer[np.ndarray, " size"],
+    *,
+    steps: int,
+    key: PRNGKeyArray,
+    batch_size: int = 64,
+    length: int = 64,
+    learning_rate: int | float = 1e-2,
+    steps_per_call: int = 50,
+    callback: Callable[[int, float], None] | None = None,
+) -> tuple[WindowModel, Float[np.ndarray, " steps"]]:
+    """Trains a model with Adam on random rows of a text.
+
+    Each step draws `batch_size` rows of `length + 1` consecutive tokens, at
+    uniformly random offsets, and takes one Adam step ($\\beta_1 = 0.9$, $\\beta_2 =
+    0.99$, $\\epsilon = 10^{-8}$) on their `sequence_loss`. The learning rate
+    rises linearly over the first twentieth of the steps to `learning_rate`, then
+    decays along a cosine to a tenth of it. `steps_per_call` steps run in one
+    compiled loop.
+
+    **Arguments:**
+
+    - `model`: the initial model.
+    - `tokens`: integer `(size,)`, the training text as byte tokens, `size > length`.
+    - `steps`: keyword only, the number of steps, a multiple of `steps_per_call`
+        (or fewer than it: then one loop of `steps`).
+    - `key`: keyword only, a PRNG key for the rows drawn.
+    - `batch_size`, `length`: keyword only, the rows drawn per step and their
+        number of predictions.
+    - `learning_rate`: keyword only, the peak learning rate.
+    - `steps_per_call`: keyword only, the steps per compiled loop.
+    - `callback`: keyword only, called as `callback(steps_done, mean_loss)` after
+        each loop.
+
+    **Returns:**
+
+    A tuple `(model, losses)`: the trained model, and the float32 NumPy array of
+    shape `(steps,)` of each step's training loss (before its update).
+    """
+    if len(tokens) <= length:
+        raise ValueError("the text must be longer than one row")
+    steps_per_call = min(steps_per_call, steps)
+    if steps < 1 or steps % steps_per_call:
+        raise ValueError("steps must be a positive multiple of steps_per_call")
+    data = jnp.asarray(tokens, dtype=jnp.int32)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    state = (params, zeros, zeros, jnp.int32(0))
+    offsets = jnp.arange(length + 1)
+
+    def one_step(
+        state: tuple[PyTree, PyTree, PyTree, Array],
+        step_key: PRNGKeyArray,
+        data: Int[Array, " size"],
+    ):
+        params, first, second, step = state
+        starts = jax.random.randint(step_key, (batch_size, 1), 0, len(tokens) - length)
+        rows = data[starts + offsets]
+        loss, grads = jax.value_and_grad(
+            lambda p: sequence_loss(eqx.combine(p, static), rows)
+        )(params)
+        count = step + 1
+        first = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, first, grads)
+        second = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, second, grads)
+        rate = _learning_rate(step, steps, learning_rate)
+        correction1 = 1 - 0.9**count
+        correction2 = 1 - 0.99**count
+
+        def update(p, m, v):
+            return p - rate * (m / correction1) / (jnp.sqrt(v / correction2) + 1e-8)
+
+        params = jax.tree.map(update, params, first, second)
+        return (params, first, second, count), loss
+
+    @jax.jit
+    def loop(state, loop_key, data):
+        return jax.lax.scan(
+            lambda state, step_key: one_step(state, step_key, data),
+            state,
+            jax.random.split(loop_key, steps_per_call),
+        )
+
+    losses = []
+    for index, loop_key in enumerate(jax.random.split(key, steps // steps_per_call)):
+        state, loop_losses = loop(state, loop_key, data)
+        losses.append(np.asarray(loop_losses))
+        if callback is not None:
+            callback((index + 1) * steps_per_call, float(losses[-1].mean()))
+    return eqx.combine(state[0], static), np.concatenate(losses)
