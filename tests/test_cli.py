@@ -1,4 +1,4 @@
-"""The command line: `speculax demo` and `speculax run`."""
+"""The command line: `speculax demo` (with `--loop` too) and `speculax run`."""
 
 import json
 import subprocess
@@ -92,6 +92,40 @@ def test_demo_matches_every_worked_example(capsys):
     assert "MISMATCH" not in out
     assert "random batch" in out
     assert "all worked examples match" in out
+
+
+def test_demo_loop_reports_each_number_of_drafts(capsys):
+    status, out, err = _main(
+        [
+            "demo",
+            "--loop",
+            "--num-draft",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--batch-size",
+            "8",
+            "--repeats",
+            "1",
+        ],
+        capsys,
+    )
+    assert status == 0, err
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert [row[0] for row in rows] == ["0", "3"]
+    baseline, speculative = rows
+    assert baseline[1] == "-" and baseline[2] == "1.00" and baseline[-1] == "1.00x"
+    # The trained draft agrees with the target often: more than one token a call.
+    assert 0.2 < float(speculative[1]) < 1
+    assert 1.3 < float(speculative[2]) <= 4
+    assert "def __init__(self, " in out
+
+
+def test_demo_loop_rejects_a_bad_number_of_drafts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["demo", "--loop", "--num-draft", "0"], capsys)
+    assert exit_info.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
 
 
 def _run_text(data: bytes, tmp_path, capsys) -> tuple[int, str, str]:

@@ -34,8 +34,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="The verification step of speculative decoding.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser(
-        "demo", help="run the worked examples of the specification and a random batch"
+    demo_parser = commands.add_parser(
+        "demo",
+        help="run the worked examples of the specification and a random batch; with "
+        "--loop, the speculative sampling loop on two small trained models",
+    )
+    demo_parser.add_argument(
+        "--loop",
+        action="store_true",
+        help="run the loop with the shipped draft and target models and report the "
+        "acceptance rate, tokens per target call and speedup",
+    )
+    demo_parser.add_argument(
+        "--num-draft",
+        nargs="+",
+        type=_positive_int,
+        default=[1, 2, 3, 4, 6, 8],
+        metavar="G",
+        help="with --loop: the numbers of draft tokens to run (default: 1 2 3 4 6 8)",
+    )
+    demo_parser.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=128,
+        help="with --loop: tokens to generate per prompt (default: 128)",
+    )
+    demo_parser.add_argument(
+        "--batch-size",
+        type=int,
+        choices=[1, 2, 4, 8],
+        default=1,
+        help="with --loop: prompts per call of the loop (default: 1)",
+    )
+    demo_parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=5,
+        help="with --loop: timed runs per batch (median; default: 5)",
     )
     run_parser = commands.add_parser(
         "run", help="run one step on a JSON object of the five inputs"
@@ -63,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.loop:
+            return _demo_loop(
+                args.num_draft, args.max_new_tokens, args.batch_size, args.repeats
+            )
         return _demo()
     if args.command == "bench":
         from ._bench import Size, main as bench_main
@@ -89,6 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
 
 
 def _run(path: str | None) -> str:
@@ -258,3 +304,39 @@ def _demo() -> int:
 
     print("all worked examples match" if all_matched else "a worked example DIFFERS")
     return 0 if all_matched else 1
+
+
+def _demo_loop(
+    num_drafts: Sequence[int], max_new_tokens: int, batch_size: int, repeats: int
+) -> int:
+    from ._demo import PROMPTS, measure_loop
+
+    print(
+        "speculax demo --loop: speculative sampling with two byte-level models "
+        "trained on the standard library's sources\n"
+        f"{len(PROMPTS)} prompts, {batch_size} per call, {max_new_tokens} new tokens "
+        f"each; wall-clock time is the median of {repeats} runs\n"
+    )
+    results = measure_loop(
+        sorted(set(num_drafts)),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+    )
+    print("   G  acceptance  tokens/call      time  speedup")
+    for result in results:
+        acceptance = (
+            "    -" if result.num_draft == 0 else f"{result.acceptance_rate:5.3f}"
+        )
+        print(
+            f"{result.num_draft:4d}  {acceptance:>10}  {result.tokens_per_call:11.2f}"
+            f"  {1000 * result.seconds:6.1f} ms  {result.speedup:6.2f}x"
+        )
+    best = max(results, key=lambda result: result.speedup)
+    print(
+        f"\nG = 0 samples the target alone, one token per call. Fastest: G = "
+        f"{best.num_draft}, {best.speedup:.2f}x.\n\nThe first prompt, "
+        f"{PROMPTS[0]!r}, continued at G = {best.num_draft}:\n"
+        f"{PROMPTS[0]}{best.sample}"
+    )
+    return 0

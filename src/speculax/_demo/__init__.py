@@ -23,6 +23,11 @@ from ._corpus import (
     encode as encode,
     split_corpus as split_corpus,
 )
+from ._measure import (
+    PROMPTS as PROMPTS,
+    LoopMeasurement as LoopMeasurement,
+    measure_loop as measure_loop,
+)
 from ._models import WindowModel as WindowModel
 from ._shipped import (
     DRAFT_HYPERPARAMETERS as DRAFT_HYPERPARAMETERS,

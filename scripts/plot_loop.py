@@ -1,0 +1,94 @@
+"""Draws docs/images/loop.svg: tokens per target call and wall-clock speedup of the
+speculative sampling loop against the number of draft tokens $G$, with the demo's
+models (`speculax demo --loop`), and prints the Markdown tables of docs/loop.md.
+
+Runs `speculax._demo.measure_loop` with one prompt per call and with all eight in one
+call, each with $G = 0$ (the target alone) and $G$ from 1 to 8, side by side in one
+process. About two minutes on two CPU cores (needs matplotlib, in the `docs` extra):
+
+    python scripts/plot_loop.py [--max-new-tokens 256] [--repeats 5]
+        [--output docs/images/loop.svg]
+"""
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from speculax._demo import LoopMeasurement, measure_loop
+
+
+# Vector output, sharp at any zoom; text stays text, so the file stays small.
+matplotlib.rcParams["svg.fonttype"] = "none"
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs/images/loop.svg"
+NUM_DRAFTS = (1, 2, 3, 4, 5, 6, 7, 8)
+BATCH_SIZES = (1, 8)
+
+
+def table(results: list[LoopMeasurement]) -> str:
+    lines = [
+        "| $G$ | acceptance rate | tokens per target call | time (ms) | speedup |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        acceptance = "-" if result.num_draft == 0 else f"{result.acceptance_rate:.3f}"
+        lines.append(
+            f"| {result.num_draft} | {acceptance} | {result.tokens_per_call:.2f} | "
+            f"{1000 * result.seconds:.0f} | {result.speedup:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args()
+
+    measured = {
+        batch_size: measure_loop(
+            NUM_DRAFTS,
+            batch_size=batch_size,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+        )
+        for batch_size in BATCH_SIZES
+    }
+    for batch_size, results in measured.items():
+        print(f"\nbatch size {batch_size}:\n\n{table(results)}")
+
+    figure, (calls, speedup) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for batch_size, results in measured.items():
+        drafts = [result.num_draft for result in results]
+        label = f"{batch_size} prompt{'s' if batch_size > 1 else ''} per call"
+        calls.plot(
+            drafts, [result.tokens_per_call for result in results], "o-", label=label
+        )
+        speedup.plot(drafts, [result.speedup for result in results], "o-", label=label)
+    calls.set(
+        xlabel="draft tokens per step, G",
+        ylabel="tokens per target call",
+        title="Tokens per target call",
+    )
+    speedup.axhline(1, color="grey", linewidth=0.8)
+    speedup.set(
+        xlabel="draft tokens per step, G",
+        ylabel="speedup over the target alone",
+        title="Wall-clock speedup (2-core CPU)",
+    )
+    for axes in (calls, speedup):
+        axes.legend(frameon=False)
+        axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(args.output, metadata={"Date": None})
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
