@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Key
 
 import speculax
 
@@ -142,6 +142,43 @@ def main() -> None:
     stacked = tuple(jnp.stack([x, x]) for x in inputs)
     batched = jax.vmap(step)(*stacked)
     assert batched["tokens"].shape == (2, 3, 5)
+
+    # The loop around the step, with a model and a key schedule of one's own.
+    table = jax.random.normal(jax.random.key(1), (16, 16))
+
+    def bigram(
+        tokens: Int[Array, "batch time"], positions: Int[Array, "batch k"]
+    ) -> Float[Array, "batch k vocab"]:
+        return table[jnp.take_along_axis(tokens, positions, axis=1)]
+
+    model: speculax.LanguageModel = bigram
+    loop = speculax.SpeculativeLoop(
+        num_draft=3,
+        max_new_tokens=8,
+        step=speculax.block_step(),
+        end_token=0,
+        keys=StepMajorKeys(),
+    )
+    generated: speculax.LoopOutput = loop(
+        model, model, jnp.ones((2, 3), jnp.int32), key=jax.random.key(2)
+    )
+    steps: Array = generated["num_steps"]
+    assert generated["tokens"].shape == (2, 8) and steps.shape == (2,)
+
+
+class StepMajorKeys(speculax.AbstractKeySchedule):
+    """A key schedule of one's own: the stream and position folded in as one number."""
+
+    def __call__(
+        self,
+        row_key: Key[Array, ""],
+        step: Int[Array, ""],
+        stream: int,
+        position: Int[Array, ""],
+    ) -> Key[Array, ""]:
+        return jax.random.fold_in(
+            jax.random.fold_in(row_key, step), 3 * position + stream
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ check a custom acceptance, prefix or residual piece.
 [`speculax.testing.tree_output_distribution`][] and
 [`speculax.testing.tree_lossless_error`][] do the same for a
 [`speculax.TreeStep`][] over every draft tree of a given shape.
+[`speculax.testing.loop_output_distribution`][] and
+[`speculax.testing.loop_lossless_error`][] check a whole
+[`speculax.SpeculativeLoop`][], its key schedule included, over many steps, against
+[`speculax.testing.target_output_distribution`][], the target sampled one token at a
+time.
 
 **Example:**
 
