@@ -4,22 +4,27 @@ models (`speculax demo --loop`), and prints the Markdown tables of docs/loop.md.
 
 Runs `speculax._demo.measure_loop` with one prompt per call and with all eight in one
 call, each with $G = 0$ (the target alone) and $G$ from 1 to 8, side by side in one
-process. About two minutes on two CPU cores (needs matplotlib, in the `docs` extra):
+process; then times each model alone, on 1 and 8 rows, scoring 1 to 9 positions a
+call. About two minutes on two CPU cores (needs matplotlib, in the `docs` extra):
 
     python scripts/plot_loop.py [--max-new-tokens 256] [--repeats 5]
         [--output docs/images/loop.svg]
 """
 
 import argparse
+import time
 from pathlib import Path
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import matplotlib
 
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from speculax._demo import LoopMeasurement, measure_loop
+from speculax._demo import LoopMeasurement, load_demo_models, measure_loop
 
 
 # Vector output, sharp at any zoom; text stays text, so the file stays small.
@@ -28,19 +33,65 @@ matplotlib.rcParams["svg.fonttype"] = "none"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs/images/loop.svg"
 NUM_DRAFTS = (1, 2, 3, 4, 5, 6, 7, 8)
 BATCH_SIZES = (1, 8)
+# Calls of a model inside one compiled loop, for its time per call.
+CALLS = 100
 
 
 def table(results: list[LoopMeasurement]) -> str:
     lines = [
-        "| $G$ | acceptance rate | tokens per target call | time (ms) | speedup |",
-        "|---:|---:|---:|---:|---:|",
+        "| $G$ | acceptance rate | tokens per target call | target calls | time (ms) "
+        "| speedup |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         acceptance = "-" if result.num_draft == 0 else f"{result.acceptance_rate:.3f}"
         lines.append(
             f"| {result.num_draft} | {acceptance} | {result.tokens_per_call:.2f} | "
-            f"{1000 * result.seconds:.0f} | {result.speedup:.2f}x |"
+            f"{result.target_calls} | {1000 * result.seconds:.0f} | "
+            f"{result.speedup:.2f}x |"
         )
+    return "\n".join(lines)
+
+
+@eqx.filter_jit
+def repeated_calls(model, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """`CALLS` calls of `model`, each on positions shifted by the call's number, so
+    that none can be hoisted out of the loop."""
+
+    def call(i, total):
+        return total + model(tokens, positions + i % 7).sum()
+
+    return jax.lax.fori_loop(0, CALLS, call, jnp.zeros(()))
+
+
+def model_call_times() -> str:
+    """A Markdown table of each model's time per call (median of 5 loops of
+    `CALLS`), on 1 and 8 rows of 256 tokens, scoring 1 to 9 positions."""
+    draft, target = load_demo_models()
+    lines = [
+        "| positions | "
+        + " | ".join(
+            f"{name}, {rows} row{'s' if rows > 1 else ''} (µs)"
+            for rows in BATCH_SIZES
+            for name in ("target", "draft")
+        )
+        + " |",
+        "|---:" * (1 + 2 * len(BATCH_SIZES)) + "|",
+    ]
+    for count in range(1, 10):
+        cells = []
+        for rows in BATCH_SIZES:
+            tokens = jnp.zeros((rows, 256), jnp.int32)
+            positions = jnp.broadcast_to(jnp.arange(count), (rows, count))
+            for model in (target, draft):
+                repeated_calls(model, tokens, positions).block_until_ready()
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    repeated_calls(model, tokens, positions).block_until_ready()
+                    times.append(time.perf_counter() - start)
+                cells.append(f"{1e6 * sorted(times)[2] / CALLS:.0f}")
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -62,6 +113,7 @@ def main() -> None:
     }
     for batch_size, results in measured.items():
         print(f"\nbatch size {batch_size}:\n\n{table(results)}")
+    print(f"\neach model alone:\n\n{model_call_times()}")
 
     figure, (calls, speedup) = plt.subplots(1, 2, figsize=(9, 3.4))
     for batch_size, results in measured.items():

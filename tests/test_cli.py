@@ -118,6 +118,8 @@ def test_demo_loop_reports_each_number_of_drafts(capsys):
     # The trained draft agrees with the target often: more than one token a call.
     assert 0.2 < float(speculative[1]) < 1
     assert 1.3 < float(speculative[2]) <= 4
+    # One batch of 8 prompts: the target alone takes one call per token.
+    assert baseline[3] == "12" and 3 <= int(speculative[3]) < 12
     assert "def __init__(self, " in out
 
 

@@ -3,6 +3,7 @@ and statistically (the jitted loop), with its key discipline, finished rows, bat
 invariance and bad input."""
 
 import itertools
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -16,6 +17,7 @@ import speculax
 import speculax.testing
 
 
+@final
 class MarkovModel(eqx.Module):
     """A model whose next token depends on the last `context` tokens only (the first
     token standing in for those before the start), through a table of logits."""
@@ -50,6 +52,7 @@ def markov_pair(vocab: int, context: int, seed: int) -> tuple[MarkovModel, Marko
     return models[0], models[1]
 
 
+@final
 class ReusedAcrossSteps(speculax.AbstractKeySchedule):
     """A wrong schedule: the same keys in every step."""
 
@@ -58,6 +61,7 @@ class ReusedAcrossSteps(speculax.AbstractKeySchedule):
         return fold_in(fold_in(row_key, stream), position)
 
 
+@final
 class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
     """A wrong schedule: draft token i drawn with the uniform of test i."""
 
@@ -106,7 +110,7 @@ def test_loop_is_lossless_exactly(
 def test_exact_test_catches_reused_random_numbers(keys):
     # The models and sizes of the first lossless case, "V3 C2 G2".
     draft, target = markov_pair(3, 2, seed=7)
-    wrong = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=5, keys=keys)
+    wrong = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=5, key_schedule=keys)
     assert speculax.testing.loop_lossless_error(wrong, draft, target, [1, 0]) > 0.01
 
 
@@ -118,6 +122,29 @@ def test_exact_test_catches_a_lossy_step():
         step=speculax.SpeculativeStep(speculax.TypicalAcceptance()),
     )
     assert speculax.testing.loop_lossless_error(lossy, draft, target, [1, 0]) > 0.01
+
+
+@final
+class ReversedInverseCDF(speculax.AbstractSampler):
+    """Inverse CDF read from the other end, with $1 - s$: as exact as inverse CDF,
+    but not the cells the enumeration assumes for the drawn token."""
+
+    reads_uniforms: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(self, weights, sample_uniforms):
+        return speculax.InverseCDF()(weights, jnp.nextafter(1.0, 0.0) - sample_uniforms)
+
+
+def test_exact_test_raises_for_a_step_it_cannot_model():
+    draft, target = markov_pair(3, 2, seed=7)
+    loop = speculax.SpeculativeLoop(
+        num_draft=2,
+        max_new_tokens=5,
+        step=speculax.SpeculativeStep(sampler=ReversedInverseCDF()),
+    )
+    with pytest.raises(ValueError, match="do not read the uniforms as the enumeration"):
+        speculax.testing.loop_output_distribution(loop, draft, target, [1, 0])
 
 
 def test_greedy_loop_is_greedy_decoding():
@@ -178,7 +205,7 @@ def sequence_counts(loop, draft, target) -> tuple[np.ndarray, np.ndarray]:
 def test_jitted_loop_samples_the_target(keys, lossless):
     draft, target = markov_pair(3, 1, seed=11)
     loop = speculax.SpeculativeLoop(
-        num_draft=3, max_new_tokens=STAT_TOKENS, end_token=2, keys=keys
+        num_draft=3, max_new_tokens=STAT_TOKENS, end_token=2, key_schedule=keys
     )
     observed, expected = sequence_counts(loop, draft, target)
     assert len(observed) > 15
@@ -196,9 +223,11 @@ def test_default_keys_are_never_reused():
     for row_key, step in itertools.product(row_keys, range(6)):
         for stream, count in ((speculax.DRAFT, 3), (speculax.ACCEPT, 3)):
             for position in range(count):
-                key = loop.keys(row_key, jnp.int32(step), stream, jnp.int32(position))
+                key = loop.key_schedule(
+                    row_key, jnp.int32(step), stream, jnp.int32(position)
+                )
                 seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
-        key = loop.keys(row_key, jnp.int32(step), speculax.SAMPLE, jnp.int32(0))
+        key = loop.key_schedule(row_key, jnp.int32(step), speculax.SAMPLE, jnp.int32(0))
         seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
     assert len(seen) == 4 * 6 * 7
 
@@ -304,7 +333,12 @@ def test_one_compilation_for_new_prompts_and_keys():
         (
             {"step": speculax.SpeculativeStep(throw=False)},
             ValueError,
-            "throw=True",
+            r"check_values=True, throw=True",
+        ),
+        (
+            {"step": speculax.SpeculativeStep(check_values=False)},
+            ValueError,
+            r"check_values=True, throw=True",
         ),
     ],
 )
@@ -376,3 +410,24 @@ def test_bad_input(prompt, kwargs, error, match):
     loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
     with pytest.raises(error, match=match):
         loop(draft, target, prompt, **{"key": jax.random.key(0), **kwargs})
+
+
+def test_end_token_outside_the_vocabulary():
+    draft, target = markov_pair(3, 1, seed=0)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3, end_token=3)
+    with pytest.raises(ValueError, match=r"end_token must lie in \[0, V\) = \[0, 3\)"):
+        loop(draft, target, jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))
+
+
+def test_wide_prompt_tokens_are_not_wrapped_under_x64():
+    draft, target = markov_pair(3, 1, seed=0)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
+    with jax.enable_x64(True):
+        prompt = jnp.array([[0, 2**32 + 1]], jnp.int64)
+        with pytest.raises(RuntimeError, match=r"prompt tokens must lie in \[0, V\)"):
+            loop(draft, target, prompt, key=jax.random.key(0))
+        lengths = jnp.array([2**32 + 2], jnp.int64)
+        with pytest.raises(RuntimeError, match=r"prompt_lengths must lie in \[1, P\]"):
+            loop(
+                draft, target, prompt % 3, key=jax.random.key(0), prompt_lengths=lengths
+            )

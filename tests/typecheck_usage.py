@@ -157,7 +157,7 @@ def main() -> None:
         max_new_tokens=8,
         step=speculax.block_step(),
         end_token=0,
-        keys=StepMajorKeys(),
+        key_schedule=StepMajorKeys(),
     )
     generated: speculax.LoopOutput = loop(
         model, model, jnp.ones((2, 3), jnp.int32), key=jax.random.key(2)

@@ -323,18 +323,21 @@ def _demo_loop(
         max_new_tokens=max_new_tokens,
         repeats=repeats,
     )
-    print("   G  acceptance  tokens/call      time  speedup")
+    print("   G  acceptance  tokens/call  target calls      time  speedup")
     for result in results:
         acceptance = (
             "    -" if result.num_draft == 0 else f"{result.acceptance_rate:5.3f}"
         )
         print(
             f"{result.num_draft:4d}  {acceptance:>10}  {result.tokens_per_call:11.2f}"
-            f"  {1000 * result.seconds:6.1f} ms  {result.speedup:6.2f}x"
+            f"  {result.target_calls:12d}  {1000 * result.seconds:6.1f} ms"
+            f"  {result.speedup:6.2f}x"
         )
     best = max(results, key=lambda result: result.speedup)
     print(
-        f"\nG = 0 samples the target alone, one token per call. Fastest: G = "
+        "\nacceptance: the fraction of draft tokens accepted; tokens/call: a row's "
+        "tokens per target call of that row; target calls: the batched calls.\n"
+        f"G = 0 samples the target alone, one token per call. Fastest: G = "
         f"{best.num_draft}, {best.speedup:.2f}x.\n\nThe first prompt, "
         f"{PROMPTS[0]!r}, continued at G = {best.num_draft}:\n"
         f"{PROMPTS[0]}{best.sample}"

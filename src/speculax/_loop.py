@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ._numerics import index_array
+from ._numerics import as_index, index_array
 from ._random import KeyArray, row_keys
 from ._sampling import InverseCDF
 from ._step import InputArray, SpeculativeStep
@@ -104,8 +104,9 @@ class LoopOutput(TypedDict):
     - `num_tokens`: int32 `(B,)`, the number of generated tokens.
     - `num_steps`: int32 `(B,)`, the number of steps the row took, which is the number
         of target calls it needed.
-    - `num_accepted`: int32 `(B, N)`, entry $[b, t]$ the number of draft tokens row
-        $b$ kept in step $t$, then `-1` once the row has finished.
+    - `num_accepted`: int32 `(B, N)`, entry $[b, t]$ the number of draft tokens the
+        step accepted for row $b$ in step $t$ (before the cut at $N$ tokens or
+        after the end token), then `-1` once the row has finished.
     - `num_target_calls`: int32 scalar, the number of (batched) calls of the target
         model, the largest of `num_steps`.
     """
@@ -117,10 +118,22 @@ class LoopOutput(TypedDict):
     num_target_calls: Int[Array, ""]
 
 
+@final
 class LoopState(eqx.Module):
-    """The carry of the loop. `buffer` holds each row's prompt and the tokens
-    generated so far, its first `length` entries being the history; past them it
-    holds the last step's drafts or padding."""
+    """The carry of [`speculax.SpeculativeLoop`][] from one step to the next, for
+    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts.
+
+    - `buffer`: int32 `(B, P + N + G + 1)`, each row's prompt and the tokens
+        generated so far, its first `length` entries; past them it holds the last
+        step's drafts or padding.
+    - `prompt_length`: int32 `(B,)`, where each row's generated tokens begin.
+    - `length`: int32 `(B,)`, the length of each row's history.
+    - `done`: bool `(B,)`, whether the row has finished.
+    - `num_steps`: int32 `(B,)`, the steps the row has taken.
+    - `num_accepted`: int32 `(B, N)`, the draft tokens kept in each step, `-1` for
+        steps not taken.
+    - `step`: int32 scalar, the number of steps taken by the batch.
+    """
 
     buffer: Int[Array, "batch time"]
     prompt_length: Int[Array, " batch"]
@@ -157,11 +170,13 @@ class SpeculativeLoop(eqx.Module):
         static integer.
     - `step`: the verification step, a [`speculax.SpeculativeStep`][]: the default
         one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
-        composition of pieces. It must raise on bad values (`throw=True`).
-        Default `SpeculativeStep()`.
+        composition of pieces. It must check values and raise
+        (`check_values=True`, `throw=True`, the defaults). Default
+        `SpeculativeStep()`.
     - `end_token`: a static token id that ends a row when generated, or `None` (the
         default) for none.
-    - `keys`: the [`speculax.AbstractKeySchedule`][] of the random numbers; default
+    - `key_schedule`: the [`speculax.AbstractKeySchedule`][] of the random numbers;
+        default
         [`speculax.FoldInKeys`][], under which none is used twice.
 
     **Example:**
@@ -189,7 +204,7 @@ class SpeculativeLoop(eqx.Module):
     max_new_tokens: int = eqx.field(static=True, kw_only=True)
     step: SpeculativeStep = eqx.field(default=SpeculativeStep(), kw_only=True)
     end_token: int | None = eqx.field(static=True, default=None, kw_only=True)
-    keys: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
+    key_schedule: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
 
     def __check_init__(self):
         if self.num_draft < 0:
@@ -200,10 +215,11 @@ class SpeculativeLoop(eqx.Module):
             )
         if self.end_token is not None and self.end_token < 0:
             raise ValueError(f"end_token must be non-negative; got {self.end_token}")
-        if self.step.check_values and not self.step.throw:
+        if not (self.step.check_values and self.step.throw):
             raise ValueError(
-                "the loop needs a step that raises on bad values (throw=True): a row "
-                "it could not verify would have no token to append"
+                "the loop needs a step that checks values and raises "
+                "(check_values=True, throw=True): a row it could not verify would "
+                "have no token to append"
             )
 
     def __call__(
@@ -263,16 +279,26 @@ class SpeculativeLoop(eqx.Module):
             self,
             draft_model,
             target_model,
-            prompt.astype(jnp.int32),
-            prompt_lengths.astype(jnp.int32),
+            as_index(prompt),
+            as_index(prompt_lengths),
             row_keys(key, batch),
         )
 
     def start(
         self, prompt: Int[Array, "batch prompt"], prompt_length: Int[Array, " batch"]
     ) -> LoopState:
-        """The state before the first step: each prompt in a buffer with room for
-        `max_new_tokens` tokens and the drafts of one step beyond."""
+        """The state before the first step.
+
+        **Arguments:**
+
+        - `prompt`: int32 `(B, P)`, the prompts.
+        - `prompt_length`: int32 `(B,)`, each in `[1, P]`.
+
+        **Returns:**
+
+        A [`speculax.LoopState`][] whose buffer holds each prompt, with room for
+        `max_new_tokens` tokens and the drafts of one step beyond.
+        """
         batch = prompt.shape[0]
         padding = jnp.zeros(
             (batch, self.max_new_tokens + self.num_draft + 1), jnp.int32
@@ -292,12 +318,26 @@ class SpeculativeLoop(eqx.Module):
     ) -> tuple[
         Float[Array, "batch draft"], Float[Array, "batch draft"], Float[Array, " batch"]
     ]:
-        """The uniforms of step `step`, `(draft, accept, sample)`, from `keys`."""
+        """The uniforms of one step, each drawn from its key in `key_schedule`.
+
+        **Arguments:**
+
+        - `row_key`: `(B,)` typed keys, one per row.
+        - `step`: int32 scalar, the step number $t$.
+
+        **Returns:**
+
+        `(draft_uniforms, accept_uniforms, sample_uniforms)` of shapes `(B, G)`,
+        `(B, G)` and `(B,)`: the streams [`speculax.DRAFT`][],
+        [`speculax.ACCEPT`][] and [`speculax.SAMPLE`][].
+        """
 
         def row(key: Key[Array, ""]) -> tuple[Array, Array, Array]:
             def stream(stream: int, count: int) -> Array:
                 return jax.vmap(
-                    lambda i: jax.random.uniform(self.keys(key, step, stream, i))
+                    lambda i: jax.random.uniform(
+                        self.key_schedule(key, step, stream, i)
+                    )
                 )(jnp.arange(count))
 
             return (
@@ -317,9 +357,27 @@ class SpeculativeLoop(eqx.Module):
         accept_uniforms: Float[Array, "batch draft"],
         sample_uniforms: Float[Array, " batch"],
     ) -> LoopState:
-        """One step on every unfinished row, driven by the given uniforms: draft,
-        verify, append. [`speculax.testing.loop_output_distribution`][] calls it
-        directly, with uniforms of its choosing."""
+        """One step on every unfinished row, driven by the given uniforms: draft
+        $G$ tokens one at a time, score them with the target in one call, verify,
+        and append the kept drafts and the drawn token (as many as fit in
+        `max_new_tokens`, cut after the end token).
+        [`speculax.testing.loop_output_distribution`][] calls it with uniforms of
+        its choosing.
+
+        **Arguments:**
+
+        - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+        - `state`: the [`speculax.LoopState`][] before the step.
+        - `draft_uniforms`: float `(B, G)`, draft token $i$ drawn from $q_i$ by
+            inverse CDF with uniform $i$.
+        - `accept_uniforms`: float `(B, G)`, the tests' $u_i$.
+        - `sample_uniforms`: float `(B,)`, the drawn token's $s$.
+
+        **Returns:**
+
+        The [`speculax.LoopState`][] after the step. A finished row keeps its
+        history and counts (its buffer past the history takes the step's drafts).
+        """
         batch = state.buffer.shape[0]
         rows = jnp.arange(batch)
         last = state.length - 1
@@ -386,7 +444,16 @@ class SpeculativeLoop(eqx.Module):
         )
 
     def output(self, state: LoopState) -> LoopOutput:
-        """The generated tokens and counts of a final state."""
+        """What the loop returns, read from a state.
+
+        **Arguments:**
+
+        - `state`: a [`speculax.LoopState`][], usually the last.
+
+        **Returns:**
+
+        A [`speculax.LoopOutput`][] dict.
+        """
         positions = jnp.arange(self.max_new_tokens)
         num_tokens = state.length - state.prompt_length
         tokens = jnp.take_along_axis(
@@ -416,6 +483,10 @@ def _generate(
         f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
     )
     vocab = jax.eval_shape(target_model, prompt, prompt[:, :1]).shape[-1]
+    if loop.end_token is not None and loop.end_token >= vocab:
+        raise ValueError(
+            f"end_token must lie in [0, V) = [0, {vocab}); got {loop.end_token}"
+        )
     in_prompt = jnp.arange(prompt.shape[1]) < prompt_length[:, None]
     prompt = eqx.error_if(
         prompt,

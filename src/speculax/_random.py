@@ -41,6 +41,15 @@ def row_keys(key: KeyArray, batch: int) -> Key[Array, " batch"]:
     """One typed key per row: `key` itself when it holds one key per row, else split
     from the single key `key`.
 
+    **Arguments:**
+
+    - `key`: one JAX PRNG key or `batch` of them, typed or legacy `uint32` data.
+    - `batch`: $B$, the number of rows.
+
+    **Returns:**
+
+    A typed key array of shape `(batch,)`.
+
     **Raises:**
 
     `TypeError` when `key` is not a JAX PRNG key (typed, or legacy `uint32` data), and

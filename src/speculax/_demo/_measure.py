@@ -28,9 +28,13 @@ class LoopMeasurement(NamedTuple):
     """What one run of the loop gave, for one number of draft tokens.
 
     - `num_draft`: $G$.
-    - `acceptance_rate`: the fraction of draft tokens kept, over every step of every
-        row (`nan` for $G = 0$).
-    - `tokens_per_call`: generated tokens per target call, over every row.
+    - `acceptance_rate`: the fraction of draft tokens the step accepted, over every
+        step of every row (`nan` for $G = 0$); drafts cut at `max_new_tokens` count
+        as accepted.
+    - `tokens_per_call`: generated tokens per target call of a row: the tokens of
+        every row over the steps they took (each row's step scores it once).
+    - `target_calls`: the batched calls of the target, added over the batches; a
+        batch calls the target until its slowest row has finished.
     - `seconds`: the median wall-clock time of one run of the jitted loop.
     - `speedup`: the time of $G = 0$ (the target alone) over `seconds`.
     - `sample`: the text the first row generated.
@@ -39,6 +43,7 @@ class LoopMeasurement(NamedTuple):
     num_draft: int
     acceptance_rate: float
     tokens_per_call: float
+    target_calls: int
     seconds: float
     speedup: float
     sample: str
@@ -130,6 +135,7 @@ def measure_loop(
                 if proposed
                 else float("nan"),
                 tokens_per_call=float(num_tokens.sum() / num_steps.sum()),
+                target_calls=sum(int(out["num_target_calls"]) for out in outputs),
                 seconds=seconds,
                 speedup=baseline_seconds / seconds,
                 sample=decode(tokens[0, : num_tokens[0]]),

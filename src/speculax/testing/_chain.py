@@ -19,6 +19,8 @@ _ONE_BITS = int(np.float64(1.0).view(np.int64))
 # Enough halvings to shrink [-1, _ONE_BITS] to adjacent integers.
 _HALVINGS = (_ONE_BITS + 1).bit_length()
 _PROBES = 16
+# Shifts by multiples of it spread the probes of different positions apart.
+_GOLDEN_FRACTION = 0.6180339887498949
 
 
 class OutputDistribution(NamedTuple):
@@ -250,9 +252,21 @@ def acceptance_thresholds(
     target_probs: Float[Array, "rows draft+1 vocab"],
 ) -> tuple[Float[Array, "rows draft"], Bool[Array, "rows draft"]]:
     """The threshold $t_i$ below which each position's test passes, so that
-    $P(\text{pass}) = t_i$ for a uniform $u_i$, and whether a grid of uniforms agrees
-    with "passes exactly when $u_i < t_i$" (a test that is not monotone in $u_i$
-    has no such threshold)."""
+    $P(\\text{pass}) = t_i$ for a uniform $u_i$, and whether probes agree with
+    "passes exactly when $u_i < t_i$" (a test that is not monotone in its own $u_i$
+    has no such threshold).
+
+    **Arguments:**
+
+    - `acceptance`: the acceptance piece.
+    - `draft_tokens`: integer `(rows, G)`.
+    - `draft_probs`: float `(rows, G, V)`, $q_i$.
+    - `target_probs`: float `(rows, G + 1, V)`, $p_i$.
+
+    **Returns:**
+
+    `(thresholds, monotone)`, float64 and bool `(rows, G)`.
+    """
 
     # Bisects on the bit patterns of the float64 numbers in [0, 1), which order like
     # the numbers themselves, so the threshold is found to the last bit (keeping its
@@ -279,9 +293,14 @@ def acceptance_thresholds(
     thresholds = jax.lax.bitcast_convert_type(failing, jnp.float64)
 
     # Bisection silently finds a wrong threshold for a non-monotone test; a grid of
-    # probes catches the gross cases.
+    # probes catches the gross cases. Each position's probe is shifted by its own
+    # amount, so that a test reading another position's uniform is seen too.
+    shifts = jnp.arange(draft_tokens.shape[1]) * _GOLDEN_FRACTION
+
     def probe(j, consistent):
-        u = jnp.full(draft_tokens.shape, (j + 0.5) / _PROBES, jnp.float64)
+        u = jnp.broadcast_to(
+            ((j + 0.5) / _PROBES + shifts) % 1.0, draft_tokens.shape
+        ).astype(jnp.float64)
         passed = acceptance(
             draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
         )

@@ -27,7 +27,9 @@ _MAX_LEAVES = 2_000_000
 
 class _Leaf(NamedTuple):
     """One cell of one step's random numbers: the state it starts from, its
-    probability, the interval of each number and the number each use reads."""
+    probability, the interval of each number and the number each use reads, and
+    what the step does there: the drafts, the number kept and the token drawn
+    (`None` for a sampler that reads no uniform)."""
 
     state: int
     probability: float
@@ -35,6 +37,9 @@ class _Leaf(NamedTuple):
     draft_uniforms: list[float]
     accept_uniforms: list[float]
     sample_uniform: float
+    drafts: tuple[int, ...]
+    num_accepted: int
+    sampled: int | None
 
 
 def loop_output_distribution(
@@ -46,9 +51,10 @@ def loop_output_distribution(
     """Computes exactly the distribution of the tokens `loop` generates after one
     prompt, over every value of its random numbers, by running the loop's own step.
 
-    Each random number is a uniform on $[0, 1)$, named by the key
-    [`loop.keys`][speculax.AbstractKeySchedule] gives it, so that two uses with the
-    same key read the same number: a schedule that reuses keys is enumerated as it
+    Each random number is a uniform on $[0, 1)$, named by the key that
+    `loop.key_schedule` (a [`speculax.AbstractKeySchedule`][]) gives it, for a row
+    whose key is `jax.random.key(0)`, so that two uses with the same key read the
+    same number: a schedule that reuses keys is enumerated as it
     runs, not as intended. Step by step, every use of a number narrows the interval
     it is known to lie in:
 
@@ -60,15 +66,17 @@ def loop_output_distribution(
         [`speculax.testing.output_distribution`][] does);
     - the drawn token is $y$ exactly when the `SAMPLE` number falls in $y$'s cell of
         the cumulative distribution of the weights of `loop.step.residual` at the
-        count `loop.step.prefix` gives.
+        count `loop.step.prefix` gives; a sampler that reads no uniform
+        ([`speculax.Argmax`][]) leaves the number as it was.
 
     A cell's probability is the product, over its numbers, of the fraction of each
     one's interval that remains. [`SpeculativeLoop.advance`][speculax.SpeculativeLoop]
     is then called once per cell (all cells of a step as one batch), with every
     number at the middle of its interval, and its new history is the cell's outcome.
-    The cells must be fine enough that the outcome is the same anywhere in a cell,
-    which holds when the drafts are drawn by inverse CDF and the step's sampler is an
-    inverse CDF or ignores its uniform (as [`speculax.Argmax`][] does). Intervals of
+    It must have kept the drafts and drawn the token the cell implies, or the
+    enumeration raises: a step whose pieces read their uniforms otherwise (a test
+    reading another position's uniform, a sampler other than an inverse CDF that
+    reads one) would make the cells too coarse and the result wrong. Intervals of
     numbers that a later step reads again are carried into that step; the others are
     forgotten, and states with the same history and the same intervals are merged.
 
@@ -94,8 +102,9 @@ def loop_output_distribution(
     **Raises:**
 
     `ValueError` for an empty prompt, an acceptance test seen not to be monotone in
-    its uniform, residual weights without positive mass where they are drawn from,
-    or more than two million cells in one step.
+    its uniform, residual weights without positive mass where they are drawn from, a
+    step that did not do in a cell what the cell implies, or more than two million
+    cells in one step.
     """
     prompt = tuple(int(token) for token in prompt)
     if not prompt:
@@ -119,11 +128,20 @@ def loop_output_distribution(
             leaves = _leaves(
                 loop, draft_model, target_model, prompt, state_list, names[step]
             )
-            generated, done = _outcomes(
+            generated, num_accepted, done = _outcomes(
                 loop, draft_model, target_model, prompt, state_list, leaves, step
             )
             states = defaultdict(float)
-            for leaf, tokens, leaf_done in zip(leaves, generated, done, strict=True):
+            for leaf, tokens, leaf_num_accepted, leaf_done in zip(
+                leaves, generated, num_accepted, done, strict=True
+            ):
+                _check_outcome(
+                    loop,
+                    leaf,
+                    state_list[leaf.state][0][0],
+                    tokens,
+                    leaf_num_accepted,
+                )
                 if leaf_done:
                     finished[tokens] += leaf.probability
                     continue
@@ -234,7 +252,7 @@ def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
     row_key = jax.random.key(0)
 
     def name(stream: int, position: int) -> Name:
-        key = loop.keys(row_key, jnp.int32(step), stream, jnp.int32(position))
+        key = loop.key_schedule(row_key, jnp.int32(step), stream, jnp.int32(position))
         return tuple(int(word) for word in np.asarray(jax.random.key_data(key)))
 
     return {
@@ -276,8 +294,9 @@ def _leaves(
     ).reshape(vocab**num_draft, num_draft)
     if len(states) * len(sequences) * 2**num_draft * vocab > _MAX_LEAVES:
         raise ValueError(
-            f"{len(states)} states x V^G = {vocab}^{num_draft} draft sequences is too "
-            "many to enumerate"
+            f"{len(states)} states x V^G draft sequences x 2^G verdicts x V tokens "
+            f"(V = {vocab}, G = {num_draft}) is more than {_MAX_LEAVES} cells to "
+            "enumerate in one step"
         )
     rows = [
         (state, sequence)
@@ -346,17 +365,23 @@ def _leaves(
                     "positive probability"
                 )
             sample_cdf = _cdf(residual)
-            for token in np.flatnonzero(residual):
-                sampled = _narrowed(
-                    *tested,
-                    [(names[SAMPLE][0], sample_cdf[token], sample_cdf[token + 1])],
-                )
+            # A sampler that reads no uniform (Argmax) leaves s unconstrained.
+            draws: list[tuple[int | None, list]] = (
+                [
+                    (int(token), [(names[SAMPLE][0], *sample_cdf[token : token + 2])])
+                    for token in np.flatnonzero(residual)
+                ]
+                if loop.step.sampler.reads_uniforms
+                else [(None, [])]
+            )
+            for token, uses in draws:
+                sampled = _narrowed(*tested, uses)
                 if sampled is None:
                     continue
                 intervals, leaf_probability = sampled
 
                 def middle(name: Name, intervals=intervals) -> float:
-                    low, high = intervals[name]
+                    low, high = intervals.get(name, (0.0, 1.0))
                     return (low + high) / 2
 
                 leaves.append(
@@ -367,9 +392,40 @@ def _leaves(
                         [middle(name) for name in names[DRAFT]],
                         [middle(name) for name in names[ACCEPT]],
                         middle(names[SAMPLE][0]),
+                        tuple(sequences[sequence].tolist()),
+                        count,
+                        token,
                     )
                 )
     return leaves
+
+
+def _check_outcome(
+    loop: SpeculativeLoop,
+    leaf: _Leaf,
+    before: tuple[int, ...],
+    after: tuple[int, ...],
+    num_accepted: int,
+) -> None:
+    """Raises unless the loop's step did in `leaf` what its cell implies: kept the
+    first `leaf.num_accepted` drafts and drew `leaf.sampled`, then cut to the room
+    left and after the end token. A step that reads its uniforms otherwise than the
+    enumeration assumes would make the result wrong, not just slow."""
+    implied = list(leaf.drafts[: leaf.num_accepted])
+    if leaf.sampled is not None:
+        implied.append(leaf.sampled)
+    implied = implied[: loop.max_new_tokens - len(before)]
+    if loop.end_token in implied:
+        implied = implied[: implied.index(loop.end_token) + 1]
+    added = list(after[len(before) :])
+    if num_accepted != leaf.num_accepted or added[: len(implied)] != implied:
+        raise ValueError(
+            f"in one cell the loop's step kept {num_accepted} drafts and appended "
+            f"{added}, where the cell implies {leaf.num_accepted} and {implied}: its "
+            "pieces do not read the uniforms as the enumeration assumes (each test "
+            "passing exactly below a threshold of its own uniform, the token drawn "
+            "by inverse CDF from the residual)"
+        )
 
 
 def _narrowed(
@@ -474,17 +530,18 @@ def _outcomes(
     states: list[tuple[tuple[tuple[int, ...], Constraints], float]],
     leaves: list[_Leaf],
     step: int,
-) -> tuple[list[tuple[int, ...]], list[bool]]:
+) -> tuple[list[tuple[int, ...]], list[int], list[bool]]:
     """Runs the loop's own step on every leaf, at the leaf's uniforms, and reads the
-    tokens generated so far and whether the row has finished."""
+    tokens generated so far, the drafts the step kept and whether the row has
+    finished."""
     if not leaves:
-        return [], []
+        return [], [], []
     batch, num_draft = len(leaves), loop.num_draft
     buffer, lengths = _buffer(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
     )
-    buffer, length, done = _in_chunks(
+    buffer, length, num_accepted, done = _in_chunks(
         lambda *rows: _advance(
             loop,
             draft_model,
@@ -503,7 +560,7 @@ def _outcomes(
         tuple(row[len(prompt) : row_length].tolist())
         for row, row_length in zip(buffer, length, strict=True)
     ]
-    return generated, done.tolist()
+    return generated, num_accepted.tolist(), done.tolist()
 
 
 @eqx.filter_jit
@@ -518,9 +575,9 @@ def _advance(
     draft_uniforms: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
-    step `step`: the new buffer, lengths and finished flags."""
+    step `step`: the new buffer, lengths, drafts kept and finished flags."""
     batch = buffer.shape[0]
     state = LoopState(
         buffer=buffer,
@@ -539,4 +596,4 @@ def _advance(
         accept_uniforms,
         sample_uniforms,
     )
-    return after.buffer, after.length, after.done
+    return after.buffer, after.length, after.num_accepted[:, step], after.done
