@@ -123,6 +123,25 @@ def main() -> None:
             drafts, [result.tokens_per_call for result in results], "o-", label=label
         )
         speedup.plot(drafts, [result.speedup for result in results], "o-", label=label)
+    # If every draft passed with the probability measured at G = 1, independently,
+    # a step would give 1 + a + ... + a^G tokens.
+    rate = measured[BATCH_SIZES[0]][1].acceptance_rate
+    calls.plot(
+        drafts,
+        [(1 - rate ** (g + 1)) / (1 - rate) for g in drafts],
+        "k--",
+        linewidth=0.8,
+        label=f"each draft passing with {rate:.2f}",
+    )
+    print(
+        "\nif each draft passed with the rate at G = 1, independently: tokens per "
+        "call "
+        + ", ".join(f"{(1 - rate ** (g + 1)) / (1 - rate):.2f}" for g in drafts)
+        + "; acceptance rate "
+        + ", ".join(
+            f"{rate * (1 - rate**g) / ((1 - rate) * g):.2f}" for g in drafts if g
+        )
+    )
     calls.set(
         xlabel="draft tokens per step, G",
         ylabel="tokens per target call",
