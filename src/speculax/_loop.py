@@ -130,8 +130,8 @@ class LoopState(eqx.Module):
     - `length`: int32 `(B,)`, the length of each row's history.
     - `done`: bool `(B,)`, whether the row has finished.
     - `num_steps`: int32 `(B,)`, the steps the row has taken.
-    - `num_accepted`: int32 `(B, N)`, the draft tokens kept in each step, `-1` for
-        steps not taken.
+    - `num_accepted`: int32 `(B, N)`, the draft tokens the step accepted in each
+        step, `-1` for steps not taken.
     - `step`: int32 scalar, the number of steps taken by the batch.
     """
 

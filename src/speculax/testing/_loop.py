@@ -418,7 +418,10 @@ def _check_outcome(
     if loop.end_token in implied:
         implied = implied[: implied.index(loop.end_token) + 1]
     added = list(after[len(before) :])
-    if num_accepted != leaf.num_accepted or added[: len(implied)] != implied:
+    if leaf.sampled is None:
+        # The drawn token is the step's to choose; the drafts before it are not.
+        added = added[: len(implied)]
+    if num_accepted != leaf.num_accepted or added != implied:
         raise ValueError(
             f"in one cell the loop's step kept {num_accepted} drafts and appended "
             f"{added}, where the cell implies {leaf.num_accepted} and {implied}: its "
