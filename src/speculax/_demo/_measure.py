@@ -78,6 +78,8 @@ def measure_loop(
     One [`LoopMeasurement`][speculax._demo.LoopMeasurement] for $G = 0$, then one
     per entry of `num_drafts`.
     """
+    if any(num_draft < 1 for num_draft in num_drafts):
+        raise ValueError(f"num_drafts must all be positive; got {list(num_drafts)}")
     if len(PROMPTS) % batch_size:
         raise ValueError(
             f"batch_size must divide the {len(PROMPTS)} prompts; got {batch_size}"

@@ -43,8 +43,12 @@ class WindowModel(eqx.Module):
         depth: int,
         key: PRNGKeyArray,
     ):
-        if window < 1 or embed_size < 1 or hidden_size < 1 or depth < 0:
-            raise ValueError("window, embed_size and hidden_size must be positive")
+        sizes = {"window": window, "embed_size": embed_size, "hidden_size": hidden_size}
+        for name, size in sizes.items():
+            if size < 1:
+                raise ValueError(f"{name} must be positive; got {size}")
+        if depth < 0:
+            raise ValueError(f"depth must be non-negative; got {depth}")
         embed_key, mlp_key = jax.random.split(key)
         self.window = window
         self.embedding = eqx.nn.Embedding(VOCAB + 1, embed_size, key=embed_key)

@@ -55,7 +55,7 @@ def held_out_loss(
     The mean over the `size - 1` predictions, a Python float.
     """
     if len(tokens) < 2:
-        raise ValueError("the text needs at least two tokens")
+        raise ValueError(f"tokens must hold at least two tokens; got {len(tokens)}")
     buffer = jnp.asarray(tokens, dtype=jnp.int32)[None, :]
     count = len(tokens) - 1
     chunk = min(chunk, count)
@@ -133,10 +133,15 @@ def train(
     shape `(steps,)` of each step's training loss (before its update).
     """
     if len(tokens) <= length:
-        raise ValueError("the text must be longer than one row")
+        raise ValueError(
+            f"tokens must be longer than length = {length}; got {len(tokens)}"
+        )
     steps_per_call = min(steps_per_call, steps)
     if steps < 1 or steps % steps_per_call:
-        raise ValueError("steps must be a positive multiple of steps_per_call")
+        raise ValueError(
+            f"steps must be a positive multiple of steps_per_call = {steps_per_call}; "
+            f"got {steps}"
+        )
     data = jnp.asarray(tokens, dtype=jnp.int32)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     zeros = jax.tree.map(jnp.zeros_like, params)
