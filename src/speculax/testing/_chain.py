@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .._acceptance import AbstractAcceptance
+from .._residual import AbstractResidual
 from .._step import SpeculativeStep
 
 
@@ -117,7 +118,6 @@ def output_distribution(
     sequences = np.array(
         list(itertools.product(range(vocab), repeat=num_draft)), dtype=np.int64
     ).reshape(vocab**num_draft, num_draft)
-    num_sequences = sequences.shape[0]
     positions = np.arange(num_draft)
     sequence_probs = np.prod(q[positions, sequences], axis=-1)
 
@@ -152,7 +152,7 @@ def output_distribution(
     )
     stop_probs = pattern_probs @ np.eye(num_draft + 1)[counts]  # P(n = m | x)
     residual = _normalise(
-        weights.reshape(num_sequences, num_draft + 1, vocab),
+        weights,
         sequence_probs[:, None] * stop_probs,
         sequences,
     )
@@ -214,16 +214,16 @@ def _run_pieces(
     Float[Array, "sequences draft"],
     Bool[Array, "sequences draft"],
     Int[Array, " patterns"],
-    Float[Array, "states vocab"],
+    Float[Array, "sequences draft+1 vocab"],
 ]:
     """Calls each piece once on everything it is needed for, compiled once per shape.
 
     Returns $t_i(x)$ for every sequence and position, whether the verdicts at a grid
     of uniforms agree with $u_i < t_i(x)$ there, the prefix count of every
     pattern of verdicts, and the residual weights for every sequence and stopping
-    position (sequence-major).
+    position.
     """
-    num_sequences, num_draft = sequences.shape
+    num_sequences = sequences.shape[0]
     q_batch = jnp.broadcast_to(q, (num_sequences, *q.shape))
     p_batch = jnp.broadcast_to(p, (num_sequences, *p.shape))
 
@@ -232,16 +232,40 @@ def _run_pieces(
     )
 
     counts = step.prefix(patterns)
+    weights = residual_weights(step.residual, sequences, q_batch, p_batch)
+    return pass_probs, monotone, counts, weights
 
-    num_states = num_sequences * (num_draft + 1)
-    weights = step.residual(
-        jnp.tile(jnp.arange(num_draft + 1), num_sequences),
-        jnp.repeat(sequences, num_draft + 1, axis=0),
-        jnp.broadcast_to(q, (num_states, *q.shape)),
-        jnp.broadcast_to(p, (num_states, *p.shape)),
+
+def residual_weights(
+    residual: AbstractResidual,
+    draft_tokens: Int[Array, "rows draft"],
+    draft_probs: Float[Array, "rows draft vocab"],
+    target_probs: Float[Array, "rows draft+1 vocab"],
+) -> Float[Array, "rows draft+1 vocab"]:
+    """The weights `residual` gives each row at every stopping position.
+
+    **Arguments:**
+
+    - `residual`: the residual piece.
+    - `draft_tokens`: integer `(rows, G)`.
+    - `draft_probs`: float `(rows, G, V)`, $q_i$.
+    - `target_probs`: float `(rows, G + 1, V)`, $p_i$.
+
+    **Returns:**
+
+    Float `(rows, G + 1, V)`: entry $[r, n]$ holds the weights with $n$ drafts
+    accepted.
+    """
+    rows, num_draft = draft_tokens.shape
+    stops = num_draft + 1
+    weights = residual(
+        jnp.tile(jnp.arange(stops), rows),
+        jnp.repeat(draft_tokens, stops, axis=0),
+        jnp.repeat(draft_probs, stops, axis=0),
+        jnp.repeat(target_probs, stops, axis=0),
         num_draft_tokens=None,
     )
-    return pass_probs, monotone, counts, weights
+    return weights.reshape(rows, stops, -1)
 
 
 @eqx.filter_jit

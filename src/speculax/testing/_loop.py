@@ -13,7 +13,7 @@ import numpy as np
 
 from .._loop import ACCEPT, DRAFT, SAMPLE, LanguageModel, LoopState, SpeculativeLoop
 from .._step import SpeculativeStep
-from ._chain import acceptance_thresholds
+from ._chain import acceptance_thresholds, residual_weights
 
 
 # A random number of the loop, named by the data of the key it is drawn from: two
@@ -318,7 +318,7 @@ def _leaves(
     )
     counts = np.asarray(_prefix_counts(loop.step, num_draft))
     draft_cdf = _cdf(draft_probs.astype(np.float64))
-    weights = weights.astype(np.float64).reshape(-1, num_draft + 1, vocab)
+    weights = weights.astype(np.float64)
     patterns = list(itertools.product([True, False], repeat=num_draft))
 
     leaves = []
@@ -485,15 +485,8 @@ def _run_step_pieces(
     else:
         thresholds = jnp.zeros((rows, 0), jnp.float64)
         monotone = jnp.ones((rows, 0), jnp.bool_)
-    stops = num_draft + 1
-    weights = step.residual(
-        jnp.tile(jnp.arange(stops), rows),
-        jnp.repeat(draft_tokens, stops, axis=0),
-        jnp.repeat(draft_probs, stops, axis=0),
-        jnp.repeat(target_probs, stops, axis=0),
-        num_draft_tokens=None,
-    )
-    return draft_probs, thresholds, monotone, weights.reshape(rows, stops, -1)
+    weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
+    return draft_probs, thresholds, monotone, weights
 
 
 def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
