@@ -219,20 +219,23 @@ def large_collectives(hlo: str, sizes: set[int]) -> list[str]:
     return found
 
 
-def same(got: dict, want: dict) -> bool:
-    keys = ("num_accepted", "tokens")
-    equal = all(np.array_equal(got[k], want[k]) for k in keys)
-    codes = got["result"] == want["result"]
-    return equal and bool(np.all(codes))
+def same(got: tuple, want: tuple) -> bool:
+    """Whether two `(output, result)` pairs agree bit for bit, the output's keys
+    included."""
+    (got_out, got_result), (want_out, want_result) = got, want
+    if list(got_out) != ["num_accepted", "tokens"] or list(got_out) != list(want_out):
+        return False
+    equal = all(np.array_equal(got_out[k], want_out[k]) for k in want_out)
+    return equal and bool(np.all(got_result == want_result))
 
 
 def check_variants(devices: np.ndarray) -> dict:
     found: dict = {}
     for name, (step, args) in variants().items():
-        reference = jax.jit(step)(**args)
-        found[name] = {"rows": reference["num_accepted"].tolist()}
+        reference = jax.jit(step.with_result)(**args)
+        found[name] = {"rows": reference[0]["num_accepted"].tolist()}
         if name == "throw=False":
-            result = reference["result"]
+            result = reference[1]
             found[name]["failed"] = np.flatnonzero(
                 np.asarray(result != speculax.RESULTS.successful)
             ).tolist()
@@ -246,7 +249,11 @@ def check_variants(devices: np.ndarray) -> dict:
         for mesh_name, shape in MESHES.items():
             mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
             f = speculax.sharded_step(
-                on_axis(step, "vocab"), mesh, batch_axis="data", vocab_axis="vocab"
+                on_axis(step, "vocab"),
+                mesh,
+                batch_axis="data",
+                vocab_axis="vocab",
+                with_result=True,
             )
             entry = {"identical": same(f(**args), reference)}
             if name in ("default", "greedy", "typical", "check_all_probs", "block"):
@@ -271,9 +278,9 @@ def main() -> None:
     result: dict = {"variants": check_variants(devices)}
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
-    f = speculax.sharded_step(step, mesh, vocab_axis="v")
+    f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)
     args = inputs(0)
-    reference = jax.jit(step)(**args)
+    reference = jax.jit(step.with_result)(**args)
     # Inputs already on one device are placed on the mesh.
     committed = {
         name: jax.device_put(value, devices[0]) for name, value in args.items()

@@ -414,20 +414,23 @@ def _inputs(case: Case) -> Inputs:
 @functools.cache
 def _runner(mode: str, throw: bool = True):
     """The step eagerly, jitted, or vmapped over two copies of the inputs (which
-    must give the same tokens); with `throw=False`, returning per-row codes."""
+    must give the same tokens); with `throw=False`, `with_result`, returning the
+    output and the per-row codes."""
     import speculax
 
     step = speculax.SpeculativeStep(throw=throw)
+    call = step if throw else step.with_result
     if mode == "eager":
-        return step
+        return call
     if mode == "jit":
-        return eqx.filter_jit(step)
+        return eqx.filter_jit(call)
 
     def vmapped(**inputs):
         stacked = {name: jnp.stack([value, value]) for name, value in inputs.items()}
-        out = jax.vmap(step)(**stacked)
+        both = jax.vmap(call)(**stacked)
+        out = both if throw else both[0]
         np.testing.assert_array_equal(out["tokens"][0], out["tokens"][1])
-        return jax.tree.map(lambda x: x[0], out)
+        return jax.tree.map(lambda x: x[0], both)
 
     return vmapped
 
@@ -467,8 +470,8 @@ def test_throw_false_reports_each_row(case, mode):
     import speculax
 
     inputs = _inputs(case)
-    out = _runner(mode, throw=False)(**inputs)
-    messages = speculax.failure_messages(out["result"])
+    out, result = _runner(mode, throw=False)(**inputs)
+    messages = speculax.failure_messages(result)
     assert any(re.search(case.match, message) for message in messages), messages
     for b, message in enumerate(messages):
         if message:
@@ -491,7 +494,7 @@ def test_runtime_cases_cover_every_failure():
         message
         for case in RUNTIME_CASES
         for message in speculax.failure_messages(
-            _runner("jit", throw=False)(**_inputs(case))["result"]
+            _runner("jit", throw=False)(**_inputs(case))[1]
         )
     }
     # The full scan's failures, from values no other check reads.
@@ -501,9 +504,10 @@ def test_runtime_cases_cover_every_failure():
         "target_probs"
     ]
     unread_draft["draft_probs"][0, 0, unread_draft["draft_tokens"][0, 0] - 1] = np.nan
-    step = eqx.filter_jit(speculax.SpeculativeStep(check_all_probs=True, throw=False))
+    step = speculax.SpeculativeStep(check_all_probs=True, throw=False)
+    with_result = eqx.filter_jit(step.with_result)
     for inputs in (_inputs(scan), unread_draft):
-        raised |= set(speculax.failure_messages(step(**inputs)["result"]))
+        raised |= set(speculax.failure_messages(with_result(**inputs)[1]))
     results = speculax.RESULTS
     chain_failures = (
         results.num_draft_tokens_out_of_range,
@@ -653,21 +657,23 @@ def test_the_full_scan_ignores_ragged_padding():
     the full scan reads the positions in use, p_{g_b} among them."""
     import speculax
 
-    step = eqx.filter_jit(speculax.SpeculativeStep(check_all_probs=True, throw=False))
+    step = speculax.SpeculativeStep(check_all_probs=True, throw=False)
+    with_result = eqx.filter_jit(step.with_result)
     inputs = random_inputs(4, BATCH, DRAFT, VOCAB)
     lengths = np.array([1, DRAFT])
     inputs["draft_probs"][0, 1:] = np.nan
     inputs["target_probs"][0, 2:] = np.nan
-    out = step(**inputs, num_draft_tokens=lengths)
-    assert speculax.failure_messages(out["result"]) == ["", ""]
+    _, result = with_result(**inputs, num_draft_tokens=lengths)
+    assert speculax.failure_messages(result) == ["", ""]
     inputs["target_probs"][0, 1, 0] = np.nan
-    out = step(**inputs, num_draft_tokens=lengths)
-    assert speculax.failure_messages(out["result"])[0].startswith("target_probs")
+    _, result = with_result(**inputs, num_draft_tokens=lengths)
+    assert speculax.failure_messages(result)[0].startswith("target_probs")
 
 
 def test_failure_messages_need_concrete_codes():
     import speculax
 
-    out = speculax.SpeculativeStep(throw=False)(**random_inputs(4, BATCH, DRAFT, VOCAB))
+    step = speculax.SpeculativeStep(throw=False)
+    _, result = step.with_result(**random_inputs(4, BATCH, DRAFT, VOCAB))
     with pytest.raises(ValueError, match="outside jit"):
-        jax.jit(lambda result: len(speculax.failure_messages(result)))(out["result"])
+        jax.jit(lambda result: len(speculax.failure_messages(result)))(result)

@@ -215,8 +215,8 @@ def test_a_bad_value_in_a_row_the_test_reads_is_reported():
     inputs["draft_probs"][1, 2, 7] = np.nan
     with pytest.raises(RuntimeError, match="draft_probs must be finite"):
         jax.block_until_ready(_jitted(BLOCK)(**inputs))
-    out = _jitted(speculax.block_step(throw=False))(**inputs)
-    assert bool((out["result"] == speculax.RESULTS.bad_draft_probs)[1])
-    messages = speculax.failure_messages(out["result"])
+    out, result = _jitted(speculax.block_step(throw=False).with_result)(**inputs)
+    assert bool((result == speculax.RESULTS.bad_draft_probs)[1])
+    messages = speculax.failure_messages(result)
     assert [m for b, m in enumerate(messages) if b != 1] == ["", "", ""]
     assert out["tokens"][1].tolist() == [-1] * 5

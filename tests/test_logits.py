@@ -22,7 +22,7 @@ BATCH = 10
 KINDS = ("greedy", "plain", "top_k", "top_p", "both")
 
 _logits_step = eqx.filter_jit(speculax.LogitsStep())
-_returning_step = eqx.filter_jit(speculax.LogitsStep(throw=False))
+_returning_step = eqx.filter_jit(speculax.LogitsStep(throw=False).with_result)
 _probs_step = eqx.filter_jit(speculax.SpeculativeStep())
 _greedy_step = eqx.filter_jit(speculax.greedy_step())
 
@@ -450,8 +450,7 @@ def test_bad_values_raise_or_empty_their_row(case, name, b, value, index):
     batch = _bad(_mixed_batch(6, "float32", "sampled", False), name, b, value, index)
     with pytest.raises(RuntimeError, match=MESSAGES[name]):
         jax.block_until_ready(_run(_logits_step, batch))
-    out = _run(_returning_step, batch)
-    result = out["result"]
+    out, result = _run(_returning_step, batch)
     assert (result == getattr(speculax.RESULTS, RESULTS_OF[case]))[b]
     assert out["tokens"][b].tolist() == [-1] * (NUM_DRAFT + 1)
     good = _run(_logits_step, _mixed_batch(6, "float32", "sampled", False))
@@ -493,7 +492,7 @@ def test_a_row_reports_its_first_failure_in_the_order_of_the_table():
     ]
     for name, b, value, index, expected in steps:
         batch = _bad(batch, name, b, value, index)
-        result = _run(_returning_step, batch)["result"]
+        _, result = _run(_returning_step, batch)
         assert (result == getattr(speculax.RESULTS, expected))[b], expected
 
 

@@ -413,8 +413,8 @@ def test_bad_values_raise_or_come_back_per_row(kind, change, message):
     change(inputs)
     with pytest.raises(RuntimeError, match=message):
         jax.block_until_ready(_jitted(_step(kind))(**inputs))
-    out = _jitted(_step(kind, throw=False))(**inputs)
-    messages = speculax.failure_messages(out["result"])
+    out, result = _jitted(_step(kind, throw=False).with_result)(**inputs)
+    messages = speculax.failure_messages(result)
     assert any(m.startswith(message) for m in messages), messages
     for b, m in enumerate(messages):
         if m:
@@ -757,8 +757,8 @@ def test_bad_draft_rows_are_named():
     inputs["target_probs"][0, 0, list(children)] = 0
     free = next(v for v in range(64) if v not in children)
     inputs["draft_probs"][0, 0, free] = -1.0
-    out = _jitted(speculax.TreeStep(throw=False))(**inputs)
-    messages = speculax.failure_messages(out["result"])
+    _, result = _jitted(speculax.TreeStep(throw=False).with_result)(**inputs)
+    messages = speculax.failure_messages(result)
     assert messages[0].startswith("draft_probs must be finite"), messages
     assert "row q_n" in messages[0] and messages[1] == ""
 
@@ -769,8 +769,8 @@ def test_a_parent_int32_cannot_hold_is_refused():
     inputs = _random_tree_inputs(8, 2)
     inputs["parents"] = inputs["parents"].astype(np.int64)
     inputs["parents"][1, 6] = 2**33
-    out = speculax.TreeStep(throw=False)(**inputs)
-    messages = speculax.failure_messages(out["result"])
+    _, result = speculax.TreeStep(throw=False).with_result(**inputs)
+    messages = speculax.failure_messages(result)
     assert messages[0] == "" and messages[1].startswith("parents must give")
 
 

@@ -124,10 +124,11 @@ def main() -> None:
     # Per-row failure codes instead of an error: row 1 holds a token V = 16 lacks.
     reporting = speculax.SpeculativeStep(throw=False)
     bad_tokens = draft_tokens.at[1, 0].set(16)
-    reported = reporting(bad_tokens, *inputs[1:])
-    failed: Array = reported["result"] != speculax.RESULTS.successful
+    reported, result = reporting.with_result(bad_tokens, *inputs[1:])
+    assert sorted(reported) == ["num_accepted", "tokens"]
+    failed: Array = result != speculax.RESULTS.successful
     assert failed.tolist() == [False, True, False]
-    messages: list[str] = speculax.failure_messages(reported["result"])
+    messages: list[str] = speculax.failure_messages(result)
     assert messages[1].startswith("draft_tokens")
 
     # A piece that splits the vocabulary over a mesh axis, for use under shard_map.

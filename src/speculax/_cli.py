@@ -12,6 +12,7 @@ import numpy as np
 
 
 if TYPE_CHECKING:
+    from ._failures import RESULTS
     from ._step import StepOutput
 
 INPUT_NAMES = (
@@ -185,25 +186,25 @@ def step_json(inputs: Any) -> dict[str, list]:
     arrays = {name: _as_array(name, inputs[name]) for name in INPUT_NAMES}
     try:
         # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
-        out = _reporting_step()(
+        out, result = _reporting_step()(
             index_array(arrays["draft_tokens"]),
             *(arrays[name] for name in INPUT_NAMES[1:]),
         )
     except (ValueError, TypeError) as error:
         raise InputError(str(error)) from None
-    for row, message in enumerate(failure_messages(out["result"])):
+    for row, message in enumerate(failure_messages(result)):
         if message:
             raise InputError(f"row {row}: {message}")
     return {name: np.asarray(out[name]).tolist() for name in ("num_accepted", "tokens")}
 
 
 @functools.cache
-def _reporting_step() -> Callable[..., "StepOutput"]:
+def _reporting_step() -> Callable[..., tuple["StepOutput", "RESULTS"]]:
     import equinox as eqx
 
     from ._step import SpeculativeStep
 
-    return eqx.filter_jit(SpeculativeStep(throw=False))
+    return eqx.filter_jit(SpeculativeStep(throw=False).with_result)
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:

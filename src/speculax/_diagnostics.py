@@ -104,7 +104,6 @@ def diagnose(
     return {
         "num_accepted": out["num_accepted"],
         "tokens": out["tokens"],
-        "result": out["result"],
         "acceptance_probs": acceptance_probs,
         "accepted": position < out["num_accepted"][:, None],
         "expected_acceptance_rate": jnp.sum(jnp.minimum(target, draft), axis=-1),

@@ -24,10 +24,10 @@ class RESULTS(eqx.Enumeration):
     rule by which Equinox reports one error for a whole (or vmapped) batch.
 
     A step with `throw=True` (the default) raises the message of the first failure
-    over all rows; with `throw=False` it returns one item per row under the key
-    `result`. Compare items with `==` (`out["result"] == speculax.RESULTS.successful`
-    is a boolean array, one entry per row), and read the rows' messages with
-    [`speculax.failure_messages`][].
+    over all rows; with `throw=False` its `with_result` returns one item per row
+    beside the output (see [`speculax.SpeculativeStep.with_result`][]). Compare
+    items with `==` (`result == speculax.RESULTS.successful` is a boolean array, one
+    entry per row), and read the rows' messages with [`speculax.failure_messages`][].
     """
 
     successful = ""
@@ -292,8 +292,9 @@ def failure_messages(result: RESULTS) -> list[str]:
 
     **Arguments:**
 
-    - `result`: the `result` of a step's output, one [`speculax.RESULTS`][] item per
-        row, shape `(batch,)`; not traced (call this outside `jit`).
+    - `result`: the codes a step's `with_result` returns, one
+        [`speculax.RESULTS`][] item per row, shape `(batch,)`; not traced (call this
+        outside `jit`).
 
     **Returns:**
 
@@ -304,14 +305,14 @@ def failure_messages(result: RESULTS) -> list[str]:
     ```python
     import speculax
 
-    out = speculax.SpeculativeStep(throw=False)(
+    _, result = speculax.SpeculativeStep(throw=False).with_result(
         draft_tokens=[[0], [5]],
         draft_probs=[[[0.5, 0.5]], [[0.5, 0.5]]],
         target_probs=[[[0.5, 0.5], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]],
         accept_uniforms=[[0.3], [0.3]],
         sample_uniforms=[0.6, 0.6],
     )
-    first, second = speculax.failure_messages(out["result"])
+    first, second = speculax.failure_messages(result)
     assert first == ""
     assert second.startswith("draft_tokens must lie in [0, V)")
     ```
@@ -332,17 +333,29 @@ def _row(result: RESULTS, b: int) -> RESULTS:
 _Output = TypeVar("_Output", bound=Mapping[str, Any])
 
 
-def empty_failed_rows(output: _Output, result: RESULTS) -> _Output:
-    """`output` (a step's dict, `result` among its keys) with every failed row
-    emptied, for `throw=False`: a count of 0 (`num_accepted`) and `-1` in every other
-    array."""
+def report_failures(
+    output: _Output, result: RESULTS, *, check_values: bool, throw: bool
+) -> tuple[_Output, RESULTS]:
+    """A step's `output` dict and its rows' `result`, as the step's flags report
+    them: unchanged without `check_values`; tied to one runtime error with `throw`;
+    else with every failed row emptied."""
+    # An empty batch has nothing to report, and Equinox's error needs an element.
+    if not check_values or output["num_accepted"].shape[0] == 0:
+        return output, result
+    if throw:
+        return raise_first_failure((output, result), result)
+    return _empty_failed_rows(output, result), result
+
+
+def _empty_failed_rows(output: _Output, result: RESULTS) -> _Output:
+    """`output` with every failed row emptied, for `throw=False`: a count of 0
+    (`num_accepted`) and `-1` in every other array."""
     failed = result != RESULTS.successful
-    emptied: dict[str, Any] = {"result": result}
+    emptied: dict[str, Any] = {}
     for name, value in output.items():
-        if name != "result":
-            fill = 0 if name == "num_accepted" else -1
-            row_failed = failed.reshape(failed.shape + (1,) * (value.ndim - 1))
-            emptied[name] = jnp.where(row_failed, fill, value)
+        fill = 0 if name == "num_accepted" else -1
+        row_failed = failed.reshape(failed.shape + (1,) * (value.ndim - 1))
+        emptied[name] = jnp.where(row_failed, fill, value)
     return cast(_Output, emptied)
 
 

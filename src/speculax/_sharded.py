@@ -2,7 +2,9 @@
 See `docs/sharding.md`."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import equinox as eqx
 import jax
@@ -11,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from ._checks import check_structure
+from ._failures import RESULTS
 from ._numerics import as_index, index_array
 from ._random import KeyArray
 from ._step import (
@@ -24,13 +27,36 @@ from ._step import (
 )
 
 
+@overload
 def sharded_step(
     step: SpeculativeStep,
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
     vocab_axis: str | None = None,
-) -> Callable[..., StepOutput]:
+    with_result: Literal[False] = False,
+) -> Callable[..., StepOutput]: ...
+
+
+@overload
+def sharded_step(
+    step: SpeculativeStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: str | None = None,
+    with_result: Literal[True],
+) -> Callable[..., tuple[StepOutput, RESULTS]]: ...
+
+
+def sharded_step(
+    step: SpeculativeStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: str | None = None,
+    with_result: bool = False,
+) -> Callable[..., StepOutput] | Callable[..., tuple[StepOutput, RESULTS]]:
     """The verification step `step`, run under `jax.shard_map` on inputs sharded over
     the devices of `mesh`.
 
@@ -61,14 +87,18 @@ def sharded_step(
         `None`.
     - `vocab_axis`: keyword only, the name of the mesh axis that shards the
         vocabulary, or `None`.
+    - `with_result`: keyword only, whether the function returns each row's
+        outcome beside the output, as [`speculax.SpeculativeStep.with_result`][]
+        does. Default `False`.
 
     **Returns:**
 
     A function with the arguments of [`speculax.SpeculativeStep.__call__`][]
     (`draft_probs=None`, omitted uniforms, `key=` and `num_draft_tokens=` included),
-    returning the same [`speculax.StepOutput`][] dict, compiled once per input
-    structure. Inputs may lie anywhere (NumPy, one device, another sharding): they
-    are placed on the mesh first.
+    returning the same [`speculax.StepOutput`][] dict (with `with_result=True`, the
+    tuple `(output, result)`), compiled once per input structure. Inputs may lie
+    anywhere (NumPy, one device, another sharding): they are placed on the mesh
+    first.
 
     **Raises:**
 
@@ -101,14 +131,14 @@ def sharded_step(
     }
 
     @eqx.filter_jit
-    def run(inputs: dict[str, Array]) -> StepOutput:
+    def run(inputs: dict[str, Array]) -> tuple[StepOutput, RESULTS]:
         inputs = {
             name: as_index(x) if jnp.issubdtype(x.dtype, jnp.integer) else x
             for name, x in inputs.items()
         }
         return jax.shard_map(
             # Arguments left out (None) are passed as None.
-            lambda local: step(**{name: local.get(name) for name in specs}),
+            lambda local: step.with_result(**{name: local.get(name) for name in specs}),
             mesh=mesh,
             in_specs=({name: specs[name] for name in inputs},),
             out_specs=PartitionSpec(batch_axis),
@@ -127,7 +157,7 @@ def sharded_step(
         *,
         key: KeyArray | None = None,
         num_draft_tokens: InputArray | None = None,
-    ) -> StepOutput:
+    ) -> tuple[StepOutput, RESULTS]:
         # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
         inputs = {
             "draft_tokens": index_array(draft_tokens),
@@ -164,7 +194,14 @@ def sharded_step(
         }
         return run(placed)
 
-    return sharded
+    if with_result:
+        return sharded
+
+    def sharded_output(*args: Any, **kwargs: Any) -> StepOutput:
+        output, _ = sharded(*args, **kwargs)
+        return output
+
+    return functools.wraps(sharded)(sharded_output)
 
 
 def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str | None) -> SpeculativeStep:

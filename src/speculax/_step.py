@@ -15,10 +15,9 @@ from ._checks import check_structure
 from ._draw import draw_token
 from ._failures import (
     RESULTS,
-    empty_failed_rows,
     first_failure,
     input_failures,
-    raise_first_failure,
+    report_failures,
     sampled_failure,
 )
 from ._numerics import as_index, index_array
@@ -35,23 +34,22 @@ InputArray: TypeAlias = ArrayLike | Sequence[Any]
 
 
 class StepOutput(TypedDict):
-    """What one verification step returns: a plain `dict` with exactly these keys.
+    """What one verification step returns: a plain `dict` with exactly these two keys,
+    the problem statement's output.
 
     - `num_accepted`: int32 array of shape `(batch,)`, the number $n$ of accepted draft
         tokens per row.
     - `tokens`: int32 array of shape `(batch, draft + 1)`; row $b$ holds the $n$
         accepted draft tokens, then the drawn token $y$, then `-1` in every remaining
         position.
-    - `result`: a [`speculax.RESULTS`][] item of shape `(batch,)`, each row's
-        outcome: `successful`, or the first value check the row failed, which only a
-        step with `throw=False` returns (one with `throw=True` raises instead); a
-        failed row has `num_accepted` 0 and `tokens` all `-1`. `successful` too for
-        every row of a step with `check_values=False`, which checks nothing.
+
+    Each row's outcome (a [`speculax.RESULTS`][] item) is not among the keys: a
+    step's `with_result` returns it beside this dict (see
+    [`speculax.SpeculativeStep.with_result`][]).
     """
 
     num_accepted: Int[Array, " batch"]
     tokens: Int[Array, "batch draft+1"]
-    result: RESULTS
 
 
 class SpeculativeStep(eqx.Module):
@@ -85,11 +83,10 @@ class SpeculativeStep(eqx.Module):
         non-finite values, a full pass over both arrays. Default `False`; `True`
         needs `check_values`.
     - `throw`: what a failed value check does. `True` (the default): raise, for the
-        whole batch. `False`: return, under the key `result`, one
-        [`speculax.RESULTS`][] item per row, and give each failed row
-        `num_accepted` 0 and `tokens` all `-1`, every other row keeping the answer
-        it has alone: one bad request does not cost a serving engine its batch.
-        Needs `check_values`.
+        whole batch. `False`: give each failed row `num_accepted` 0 and `tokens` all
+        `-1`, every other row keeping the answer it has alone, so that one bad
+        request does not cost a serving engine its batch; the rows' codes come from
+        [`speculax.SpeculativeStep.with_result`][]. Needs `check_values`.
 
     The pieces that read the vocabulary name the mesh axis it is split over, their
     `axis_name` (see [`speculax.sharded_step`][]); they must agree.
@@ -188,9 +185,8 @@ class SpeculativeStep(eqx.Module):
 
         **Returns:**
 
-        A [`speculax.StepOutput`][] dict with the keys `num_accepted` (int32 `(B,)`),
-        `tokens` (int32 `(B, G + 1)`) and `result` (a [`speculax.RESULTS`][] item per
-        row).
+        A [`speculax.StepOutput`][] dict with exactly the keys `num_accepted` (int32
+        `(B,)`) and `tokens` (int32 `(B, G + 1)`).
 
         **Raises:**
 
@@ -200,8 +196,68 @@ class SpeculativeStep(eqx.Module):
         finite, or the distribution drawn from has no positive mass; with
         `check_all_probs=True`, also when any probability anywhere is negative or not
         finite. The message is that of the first failure in the order of
-        [`speculax.RESULTS`][]. With `throw=False` nothing is raised at run time: the
-        codes are returned.
+        [`speculax.RESULTS`][]. With `throw=False` nothing is raised at run time: a
+        failed row comes back empty, and
+        [`speculax.SpeculativeStep.with_result`][] says why.
+        """
+        output, _ = self.with_result(
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+            key=key,
+            num_draft_tokens=num_draft_tokens,
+        )
+        return output
+
+    def with_result(
+        self,
+        draft_tokens: InputArray,
+        draft_probs: InputArray | None,
+        target_probs: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
+    ) -> tuple[StepOutput, RESULTS]:
+        """Runs the step as [`speculax.SpeculativeStep.__call__`][] does, and returns
+        each row's outcome beside the output.
+
+        The codes are a second return value rather than a third key, so that the
+        output keeps the problem statement's two keys and its type does not depend on
+        a flag.
+
+        **Arguments:**
+
+        As for [`speculax.SpeculativeStep.__call__`][].
+
+        **Returns:**
+
+        A tuple `(output, result)`: the [`speculax.StepOutput`][] dict, and a
+        [`speculax.RESULTS`][] item of shape `(B,)`, `successful` or the first value
+        check the row failed. Only a step with `throw=False` returns failures (one
+        with `throw=True` raises instead), each failed row emptied; every row is
+        `successful` for a step with `check_values=False`, which checks nothing.
+
+        **Example:**
+
+        ```python
+        import speculax
+
+        step = speculax.SpeculativeStep(throw=False)
+        out, result = step.with_result(
+            draft_tokens=[[0], [5]],
+            draft_probs=[[[0.5, 0.5]], [[0.5, 0.5]]],
+            target_probs=[[[0.5, 0.5], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]],
+            accept_uniforms=[[0.3], [0.3]],
+            sample_uniforms=[0.6, 0.6],
+        )
+        assert sorted(out) == ["num_accepted", "tokens"]
+        assert (result == speculax.RESULTS.successful).tolist() == [True, False]
+        assert out["tokens"].tolist()[1] == [-1, -1]
+        ```
         """
         draft_tokens = index_array(draft_tokens)
         target_probs = jnp.asarray(target_probs)
@@ -269,14 +325,10 @@ class SpeculativeStep(eqx.Module):
         output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
             "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
-            "result": result,
         }
-        # An empty batch has nothing to report, and Equinox's error needs an element.
-        if not self.check_values or draft_tokens.shape[0] == 0:
-            return output
-        if self.throw:
-            return raise_first_failure(output, result)
-        return empty_failed_rows(output, result)
+        return report_failures(
+            output, result, check_values=self.check_values, throw=self.throw
+        )
 
 
 def uniform_readers(step: SpeculativeStep) -> tuple[str | None, str | None]:
@@ -381,8 +433,8 @@ def speculative_step(
 
     **Returns:**
 
-    A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)`, `tokens` int32
-    `(B, G + 1)` and `result`, a [`speculax.RESULTS`][] item per row.
+    A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)` and `tokens` int32
+    `(B, G + 1)`.
 
     **Example:**
 

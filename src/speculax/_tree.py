@@ -13,12 +13,11 @@ from ._checks import check_ranks_and_dtypes, check_sizes, checked_vocab
 from ._failures import (
     RESULTS,
     Failure,
-    empty_failed_rows,
     first_failure,
     holds_bad_values,
     not_a_probability,
     outside_unit_interval,
-    raise_first_failure,
+    report_failures,
 )
 from ._numerics import (
     arithmetic_dtype,
@@ -111,20 +110,22 @@ class SiblingsWithoutReplacement(AbstractSiblingRule):
 
 
 class TreeOutput(TypedDict):
-    """What one tree verification step returns: a plain `dict` with these keys.
+    """What one tree verification step returns: a plain `dict` with exactly these
+    three keys.
 
     - `num_accepted`: int32 `(batch,)`, the depth $n$ of the accepted path.
     - `tokens`: int32 `(batch, max_depth + 1)`: the $n$ tokens of the accepted
         path, then the drawn token, then `-1`.
     - `accepted_nodes`: int32 `(batch, max_depth + 1)`: the nodes of the accepted
         path (root excluded), then `-1`; the KV-cache entries an engine keeps.
-    - `result`: a [`speculax.RESULTS`][] item per row, as for the chain step.
+
+    Each row's outcome comes beside it from
+    [`speculax.AbstractTreeStep.with_result`][], as for the chain step.
     """
 
     num_accepted: Int[Array, " batch"]
     tokens: Int[Array, "batch depth+1"]
     accepted_nodes: Int[Array, "batch depth+1"]
-    result: RESULTS
 
 
 @final
@@ -225,7 +226,43 @@ class AbstractTreeStep(eqx.Module):
 
         **Returns:**
 
-        A [`speculax.TreeOutput`][] dict.
+        A [`speculax.TreeOutput`][] dict with exactly the keys `num_accepted`,
+        `tokens` and `accepted_nodes`.
+        """
+        output, _ = self.with_result(
+            parents,
+            tree_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+            key=key,
+        )
+        return output
+
+    def with_result(
+        self,
+        parents: InputArray,
+        tree_tokens: InputArray,
+        draft_probs: InputArray | None,
+        target_probs: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        key: KeyArray | None = None,
+    ) -> tuple[TreeOutput, RESULTS]:
+        """Runs the step as [`speculax.AbstractTreeStep.__call__`][] does, and
+        returns each row's outcome beside the output, as
+        [`speculax.SpeculativeStep.with_result`][] does for chains.
+
+        **Arguments:**
+
+        As for [`speculax.AbstractTreeStep.__call__`][].
+
+        **Returns:**
+
+        A tuple `(output, result)`: the [`speculax.TreeOutput`][] dict, and a
+        [`speculax.RESULTS`][] item of shape `(B,)` per row.
         """
         # An unrepresentable parent becomes -2, out of range, not -1 (unused).
         parents = index_array(parents, unrepresentable=-2)
@@ -301,14 +338,10 @@ class AbstractTreeStep(eqx.Module):
             "num_accepted": walks.depth,
             "tokens": jnp.where(at_depth, drawn[:, None], walks.path_tokens),
             "accepted_nodes": walks.path_nodes,
-            "result": result,
         }
-        # An empty batch has nothing to report, and Equinox's error needs an element.
-        if not self.check_values or batch == 0:
-            return output
-        if self.throw:
-            return raise_first_failure(output, result)
-        return empty_failed_rows(output, result)
+        return report_failures(
+            output, result, check_values=self.check_values, throw=self.throw
+        )
 
     @abc.abstractmethod
     def _walk(

@@ -10,10 +10,9 @@ from .._failures import (
     RESULTS,
     Failure,
     draft_failures,
-    empty_failed_rows,
     first_failure,
     positions_in_use,
-    raise_first_failure,
+    report_failures,
     sampled_failure,
     stopping_row_failures,
 )
@@ -74,9 +73,10 @@ class LogitsStep(eqx.Module):
         lengths, the tokens, the uniforms, the parameters, and NaN, $+\\infty$ or
         rows all $-\\infty$ in the logits the step reads) as Equinox runtime errors.
         Default `True`.
-    - `throw`: keyword only, as for [`speculax.SpeculativeStep`][]: `False` returns
-        one [`speculax.RESULTS`][] item per row instead of raising, a failed row
-        emptied. Default `True`; `False` needs `check_values`.
+    - `throw`: keyword only, as for [`speculax.SpeculativeStep`][]: `False` empties
+        a failed row instead of raising, and [`speculax.LogitsStep.with_result`][]
+        returns one [`speculax.RESULTS`][] item per row. Default `True`; `False`
+        needs `check_values`.
 
     **Example:**
 
@@ -150,8 +150,8 @@ class LogitsStep(eqx.Module):
 
         **Returns:**
 
-        A [`speculax.StepOutput`][] dict: `num_accepted` int32 `(B,)`, `tokens`
-        int32 `(B, G + 1)` and `result`.
+        A [`speculax.StepOutput`][] dict with exactly the keys `num_accepted` (int32
+        `(B,)`) and `tokens` (int32 `(B, G + 1)`).
 
         **Raises:**
 
@@ -159,6 +159,47 @@ class LogitsStep(eqx.Module):
         number out of range among the parameters; with `check_values=True` and
         `throw=True`, an Equinox runtime error (a `RuntimeError`) naming the first
         failing check in the order of `docs/specification.md`'s table.
+        """
+        output, _ = self.with_result(
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            accept_uniforms,
+            sample_uniforms,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            key=key,
+            num_draft_tokens=num_draft_tokens,
+        )
+        return output
+
+    def with_result(
+        self,
+        draft_tokens: InputArray,
+        draft_logits: InputArray | None,
+        target_logits: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        temperature: ArrayLike = 1.0,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
+        key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
+    ) -> tuple[StepOutput, RESULTS]:
+        """Runs the step as [`speculax.LogitsStep.__call__`][] does, and returns each
+        row's outcome beside the output, as
+        [`speculax.SpeculativeStep.with_result`][] does.
+
+        **Arguments:**
+
+        As for [`speculax.LogitsStep.__call__`][].
+
+        **Returns:**
+
+        A tuple `(output, result)`: the [`speculax.StepOutput`][] dict, and a
+        [`speculax.RESULTS`][] item of shape `(B,)` per row.
         """
         draft_tokens = index_array(draft_tokens)
         target_logits = jnp.asarray(target_logits)
@@ -195,12 +236,11 @@ class LogitsStep(eqx.Module):
             ("LogitsStep", "LogitsStep"),
         )
         if batch == 0:
-            empty = jnp.zeros((0,), jnp.int32)
-            return {
-                "num_accepted": empty,
+            empty: StepOutput = {
+                "num_accepted": jnp.zeros((0,), jnp.int32),
                 "tokens": jnp.zeros((0, num_draft + 1), jnp.int32),
-                "result": first_failure([], 0),
             }
+            return empty, first_failure([], 0)
         length = (
             jnp.full((batch,), num_draft, jnp.int32)
             if num_draft_tokens is None
@@ -251,13 +291,10 @@ class LogitsStep(eqx.Module):
         output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
             "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
-            "result": result,
         }
-        if not self.check_values:
-            return output
-        if self.throw:
-            return raise_first_failure(output, result)
-        return empty_failed_rows(output, result)
+        return report_failures(
+            output, result, check_values=self.check_values, throw=self.throw
+        )
 
 
 def _verdicts(
