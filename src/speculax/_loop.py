@@ -160,6 +160,13 @@ class SpeculativeLoop(eqx.Module):
     temperature or truncation, make them part of the models: wrap each to return,
     say, `logits / temperature`.
 
+    Both softmaxes are computed in JAX's default float dtype (float32, float64
+    under x64), or in the logits' dtype if it is wider: never in half precision.
+    The rows $q_i$ the draft is drawn from are the rows the step reads. For a model
+    with float16 or bfloat16 logits, the target's distribution is the softmax of
+    those half-precision numbers, and the loop samples it exactly, up to the
+    rounding of float32 arithmetic.
+
     **Arguments:**
 
     The constructor takes, keyword only:
@@ -170,8 +177,11 @@ class SpeculativeLoop(eqx.Module):
         static integer.
     - `step`: the verification step, a [`speculax.SpeculativeStep`][]: the default
         one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
-        composition of pieces. It must check values and raise
-        (`check_values=True`, `throw=True`, the defaults). Default
+        composition of pieces. Nothing else: the loop drafts a chain and passes
+        probabilities, so a [`speculax.LogitsStep`][] (its sampling parameters
+        belong in the models), a [`speculax.TreeStep`][] or a
+        [`speculax.TraversalStep`][] raises a `TypeError`. It must check values and
+        raise (`check_values=True`, `throw=True`, the defaults). Default
         `SpeculativeStep()`.
     - `end_token`: a static token id that ends a row when generated, or `None` (the
         default) for none.
@@ -207,6 +217,18 @@ class SpeculativeLoop(eqx.Module):
     key_schedule: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
 
     def __check_init__(self):
+        # Runtime type checking (jaxtyping with beartype) would catch this, but it
+        # is opt-in; without it a LogitsStep would run on probabilities as if they
+        # were logits: wrong tokens, no error.
+        if not isinstance(self.step, SpeculativeStep):
+            raise TypeError(
+                "step must be a speculax.SpeculativeStep, the chain step on "
+                "probabilities (the default, greedy_step(), block_step() or any "
+                f"composition of pieces); got a {type(self.step).__name__}. The "
+                "loop drafts chains and passes probabilities: a LogitsStep's "
+                "sampling parameters belong in the models, and a tree step needs a "
+                "tree drafter"
+            )
         if self.num_draft < 0:
             raise ValueError(f"num_draft must be non-negative; got {self.num_draft}")
         if self.max_new_tokens < 1:
@@ -386,13 +408,15 @@ class SpeculativeLoop(eqx.Module):
         def draft(i: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
             buffer, draft_probs = carry
             logits = draft_model(buffer, (last + i)[:, None])[:, 0]
-            probs = jax.nn.softmax(logits, axis=-1)
+            # The same rows are drawn from and given to the step: q_i is one array.
+            probs = model_probs(logits)
             token = InverseCDF()(probs, draft_uniforms[:, i])
             buffer = buffer.at[rows, state.length + i].set(token)
             return buffer, draft_probs.at[:, i].set(probs)
 
         draft_probs = jnp.zeros(
-            (batch, self.num_draft, logits_shape.shape[-1]), logits_shape.dtype
+            (batch, self.num_draft, logits_shape.shape[-1]),
+            probs_dtype(logits_shape.dtype),
         )
         buffer = state.buffer
         # Traced even for zero iterations, where there is no uniform to index.
@@ -401,9 +425,7 @@ class SpeculativeLoop(eqx.Module):
                 0, self.num_draft, draft, (buffer, draft_probs)
             )
         offsets = jnp.arange(self.num_draft + 1)
-        target_probs = jax.nn.softmax(
-            target_model(buffer, last[:, None] + offsets), axis=-1
-        )
+        target_probs = model_probs(target_model(buffer, last[:, None] + offsets))
         draft_tokens = jnp.take_along_axis(
             buffer, state.length[:, None] + offsets[:-1], axis=1
         )
@@ -466,6 +488,27 @@ class SpeculativeLoop(eqx.Module):
             "num_accepted": state.num_accepted,
             "num_target_calls": state.step,
         }
+
+
+def probs_dtype(logits_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype the loop computes a model's probabilities in: JAX's default float
+    (float32, float64 under x64), or the logits' own dtype if wider.
+
+    Never half precision: a softmax computed in bfloat16 has rows that miss 1 by a
+    few parts in a thousand (in float16, a few in ten thousand), and the draft
+    would be drawn from the normalised row while the step reads the row as it is,
+    which moves the output's distribution. Under x64 it is float64 whatever the
+    logits' dtype, so that [`speculax.testing.loop_output_distribution`][] finds
+    the loop exact to float64 rounding for any model.
+    """
+    return jnp.promote_types(logits_dtype, jnp.result_type(float))
+
+
+def model_probs(logits: Float[Array, "*rows vocab"]) -> Float[Array, "*rows vocab"]:
+    """The softmax of a model's logits along the last axis, computed in
+    `probs_dtype`: $q_i$ for the draft model, $p_i$ for the target, the one rule
+    shared by the loop and its exact enumeration."""
+    return jax.nn.softmax(logits.astype(probs_dtype(logits.dtype)), axis=-1)
 
 
 @eqx.filter_jit

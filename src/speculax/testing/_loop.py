@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._loop import ACCEPT, DRAFT, SAMPLE, LanguageModel, LoopState, SpeculativeLoop
+from .._loop import (
+    ACCEPT,
+    DRAFT,
+    SAMPLE,
+    LanguageModel,
+    LoopState,
+    SpeculativeLoop,
+    model_probs,
+)
 from .._step import SpeculativeStep
 from ._chain import acceptance_thresholds, residual_weights
 
@@ -80,12 +88,13 @@ def loop_output_distribution(
     numbers that a later step reads again are carried into that step; the others are
     forgotten, and states with the same history and the same intervals are merged.
 
-    Everything runs under `jax.enable_x64(True)`; give models whose logits are then
-    float64, or rounding shows in the result: say, Equinox modules holding NumPy
-    float64 arrays as fields. (A NumPy array captured by a plain function that JAX
-    has already traced without x64 may stay float32.) The cost grows as $V^G$ per
-    state and step: this is for small models, say $V \\le 5$, $G \\le 3$ and
-    `max_new_tokens` $\\le 6$.
+    Everything runs under `jax.enable_x64(True)`, where the loop computes its
+    probabilities in float64 whatever the dtype of the models' logits (see
+    [`speculax.SpeculativeLoop`][]), and the enumeration computes them with the
+    loop's own function: the result is the loop's distribution for the logits the
+    models return, float16 and bfloat16 ones included, up to float64 rounding. The
+    cost grows as $V^G$ per state and step: this is for small models, say
+    $V \\le 5$, $G \\le 3$ and `max_new_tokens` $\\le 6$.
 
     **Arguments:**
 
@@ -165,7 +174,10 @@ def target_output_distribution(
     stopping early after `end_token`: what a lossless loop must reproduce.
 
     Runs under `jax.enable_x64(True)`, like
-    [`speculax.testing.loop_output_distribution`][].
+    [`speculax.testing.loop_output_distribution`][], and takes the softmax as the
+    loop does: of the logits' values, in float64 whatever their dtype. For a model
+    with float16 or bfloat16 logits this is the softmax of those half-precision
+    numbers, not a softmax rounded to half precision.
 
     **Arguments:**
 
@@ -243,7 +255,7 @@ def loop_lossless_error(
 def _next_token_probs(
     model: LanguageModel, buffer: jax.Array, length: jax.Array
 ) -> tuple[jax.Array]:
-    return (jax.nn.softmax(model(buffer, (length - 1)[:, None])[:, 0], axis=-1),)
+    return (model_probs(model(buffer, (length - 1)[:, None])[:, 0]),)
 
 
 def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
@@ -476,8 +488,8 @@ def _run_step_pieces(
     step = loop.step
     rows, num_draft = draft_tokens.shape
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    draft_probs = jax.nn.softmax(draft_model(buffer, positions[:, :-1]), axis=-1)
-    target_probs = jax.nn.softmax(target_model(buffer, positions), axis=-1)
+    draft_probs = model_probs(draft_model(buffer, positions[:, :-1]))
+    target_probs = model_probs(target_model(buffer, positions))
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
             step.acceptance, draft_tokens, draft_probs, target_probs
