@@ -5,9 +5,14 @@ from $q_i$ and the uniforms independent and uniform, token $k$ of its output, gi
 $n \\ge k$, is distributed exactly as $p_k$. For one row with a small vocabulary and a
 few draft positions this can be computed exactly rather than sampled:
 [`speculax.testing.output_distribution`][] enumerates every draft sequence and
-integrates over the uniforms analytically, using the step's own pieces, and
-[`speculax.testing.lossless_error`][] turns the result into one number. Use them to
-check a custom acceptance, prefix or residual piece.
+integrates over the uniforms analytically, evaluating each of the step's own pieces,
+sampler included, and [`speculax.testing.lossless_error`][] turns the result into one
+number. Use them to check a custom acceptance, prefix, residual or sampler piece. A
+piece whose dependence on its uniform cannot be integrated this way (an acceptance
+test that is not monotone in its own uniform, a sampler that draws a token on more
+than one interval of its uniform) is refused with an error that names it, never
+assumed; test it with [`speculax.testing.lossless_chi_square`][], a chi-square test
+of the compiled step.
 [`speculax.testing.tree_output_distribution`][] and
 [`speculax.testing.tree_lossless_error`][] do the same for a
 [`speculax.TreeStep`][] over every draft tree of a given shape.
@@ -42,6 +47,10 @@ from ._loop import (
     loop_lossless_error as loop_lossless_error,
     loop_output_distribution as loop_output_distribution,
     target_output_distribution as target_output_distribution,
+)
+from ._statistical import (
+    ChiSquareTest as ChiSquareTest,
+    lossless_chi_square as lossless_chi_square,
 )
 from ._tree import (
     tree_lossless_error as tree_lossless_error,

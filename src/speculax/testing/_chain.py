@@ -1,6 +1,7 @@
 """Exact output distributions of the chain step, by enumeration."""
 
 import itertools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -11,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._acceptance import AbstractAcceptance
 from .._residual import AbstractResidual
+from .._sampling import AbstractSampler
 from .._step import SpeculativeStep
 
 
@@ -20,7 +22,7 @@ _ONE_BITS = int(np.float64(1.0).view(np.int64))
 # Enough halvings to shrink [-1, _ONE_BITS] to adjacent integers.
 _HALVINGS = (_ONE_BITS + 1).bit_length()
 _PROBES = 16
-# Shifts by multiples of it spread the probes of different positions apart.
+# Shifts by multiples of it spread the probes of different positions (or rows) apart.
 _GOLDEN_FRACTION = 0.6180339887498949
 
 
@@ -68,17 +70,23 @@ def output_distribution(
     - **Prefix count.** `step.prefix` is called on all $2^G$ patterns of verdicts,
         each weighted by the product of its positions' pass or fail probabilities.
     - **Residual and sampler.** For each sequence and each stopping position $n$,
-        the token drawn is distributed as the weights of `step.residual`, normalised.
-        This assumes the sampler is an exact inverse CDF, so that a uniform $s$ picks
-        $v$ with probability $w(v) / \\sum w$; `step.sampler` is not called (test it
-        statistically instead).
+        `step.residual` gives the weights, and `step.sampler` is called on them to
+        find the interval of $s$ on which it draws each token: the token's
+        probability is the length of its interval. A sampler that reads no uniform
+        ([`speculax.Argmax`][]) is called once. The others are scanned from $s = 0$
+        up, bisection over the float64 numbers finding, to the last bit, each $s$
+        where the token drawn changes. This assumes each token is drawn on one
+        interval of $s$, as inverse-CDF sampling over the vocabulary in any order
+        does (a lossy sampler of that kind is measured, not refused), and is checked
+        at the midpoint of each interval and 16 further values of $s$.
 
     The cost grows as $V^G$: this is meant for small cases, say $V \\le 8$ and
     $G \\le 3$. The theorem it checks is about normalised $p_i$ and $q_i$.
 
     **Arguments:**
 
-    - `step`: the step whose `acceptance`, `prefix` and `residual` pieces to use.
+    - `step`: the step whose `acceptance`, `prefix`, `residual` and `sampler` pieces
+        to use.
     - `draft_probs`: $q_i$, float of shape `(G, V)`, one row's draft distributions.
     - `target_probs`: $p_i$, float of shape `(G + 1, V)`, one row's target
         distributions.
@@ -93,20 +101,14 @@ def output_distribution(
 
     `ValueError` for shapes that disagree, a negative or non-finite probability, more
     than a million draft sequences, an acceptance test seen not to be monotone in
-    $u_i$ (checked at 16 values of $u_i$), a prefix count outside $[0, G]$, or residual
-    weights, at a stopping position reached with positive probability, that are
-    negative, not finite or without positive mass.
+    $u_i$ (checked at 16 values of $u_i$), a prefix count outside $[0, G]$, or, at a
+    stopping position reached with positive probability, residual weights that are
+    negative, not finite or without positive mass, or a sampler seen to draw a token
+    on more than one interval of $s$ or a token outside $[0, V)$. The message names
+    the piece; test a piece refused here with
+    [`speculax.testing.lossless_chi_square`][].
     """
-    q = np.asarray(draft_probs, dtype=np.float64)
-    p = np.asarray(target_probs, dtype=np.float64)
-    if q.ndim != 2 or p.ndim != 2 or p.shape != (q.shape[0] + 1, q.shape[1]):
-        raise ValueError(
-            "draft_probs must have shape (G, V) and target_probs shape (G + 1, V); "
-            f"got {q.shape} and {p.shape}"
-        )
-    for name, x in (("draft_probs", q), ("target_probs", p)):
-        if not np.all(np.isfinite(x) & (x >= 0)):
-            raise ValueError(f"{name} must be finite and non-negative")
+    q, p = check_row(draft_probs, target_probs)
     num_draft, vocab = q.shape
     if vocab**num_draft > _MAX_SEQUENCES:
         raise ValueError(
@@ -151,18 +153,23 @@ def output_distribution(
         np.where(patterns[None], pass_probs[:, None], 1 - pass_probs[:, None]), axis=-1
     )
     stop_probs = pattern_probs @ np.eye(num_draft + 1)[counts]  # P(n = m | x)
-    residual = _normalise(
-        weights,
-        sequence_probs[:, None] * stop_probs,
-        sequences,
-    )
+    reached = sequence_probs[:, None] * stop_probs > 0
+    _check_weights(weights, reached, sequences)
+    # The law of the token drawn in each state, from the sampler itself.
+    cells = sampler_cells(step.sampler, weights.reshape(-1, vocab))
+    refused = reached.reshape(-1) & ~cells.valid
+    if np.any(refused):
+        raise refuse_sampler(
+            "step.sampler", step.sampler, cells, int(np.argmax(refused))
+        )
+    drawn = cells.probs().reshape(weights.shape)
 
     # Token k is the draft token x_k when n > k and the drawn token when n = k.
     token_probs = np.zeros((num_draft + 1, vocab))
     beyond = np.cumsum(stop_probs[:, ::-1], axis=-1)[:, ::-1]  # P(n >= m | x)
     for k in range(num_draft + 1):
         drawn_weight = sequence_probs * stop_probs[:, k]
-        token_probs[k] = drawn_weight @ residual[:, k]
+        token_probs[k] = drawn_weight @ drawn[:, k]
         if k < num_draft:
             kept_weight = sequence_probs * beyond[:, k + 1]
             token_probs[k] += np.bincount(
@@ -171,6 +178,25 @@ def output_distribution(
     num_accepted_probs = sequence_probs @ stop_probs
     reach_probs = sequence_probs @ beyond
     return OutputDistribution(token_probs, reach_probs, num_accepted_probs)
+
+
+def check_row(
+    draft_probs: Float[Array | np.ndarray, "draft vocab"],
+    target_probs: Float[Array | np.ndarray, "draft+1 vocab"],
+) -> tuple[Float[np.ndarray, "draft vocab"], Float[np.ndarray, "draft+1 vocab"]]:
+    """One row's $q$ and $p$ as float64 NumPy arrays, checked: shapes `(G, V)` and
+    `(G + 1, V)`, values finite and non-negative."""
+    q = np.asarray(draft_probs, dtype=np.float64)
+    p = np.asarray(target_probs, dtype=np.float64)
+    if q.ndim != 2 or p.ndim != 2 or p.shape != (q.shape[0] + 1, q.shape[1]):
+        raise ValueError(
+            "draft_probs must have shape (G, V) and target_probs shape (G + 1, V); "
+            f"got {q.shape} and {p.shape}"
+        )
+    for name, x in (("draft_probs", q), ("target_probs", p)):
+        if not np.all(np.isfinite(x) & (x >= 0)):
+            raise ValueError(f"{name} must be finite and non-negative")
+    return q, p
 
 
 def lossless_error(
@@ -336,17 +362,236 @@ def acceptance_thresholds(
     return thresholds, monotone
 
 
-def _normalise(
-    weights: np.ndarray, state_probs: np.ndarray, sequences: np.ndarray
-) -> np.ndarray:
-    """The residual $r = w / \\sum w$ for every sequence and stopping position.
+class SamplerCells(NamedTuple):
+    """The interval of $s$ on which a sampler draws each token, for many rows of
+    weights, from `sampler_cells`: piece $j$ of row $r$ draws `tokens[r, j]` for
+    every $s$ in `[lows[r, j], highs[r, j])`. A row has at most $V$ pieces; the
+    unused ones are empty (`lows == highs == 1`).
 
-    `state_probs[x, m]` is the probability of reaching that state; weights are
-    validated only where it is positive, since an unreachable state draws no token.
+    - `probes_agree[r]`: whether the sampler drew each piece's token where probed.
+    - `valid[r]`: whether the pieces of row $r$ are the sampler's exact cells as
+        far as can be checked: the probes agree, the pieces cover `[0, 1)`, no token
+        is drawn in two pieces and every token lies in `[0, V)`.
     """
-    total = np.sum(weights, axis=-1, keepdims=True)
-    valid = np.all(np.isfinite(weights) & (weights >= 0), axis=-1) & (total[..., 0] > 0)
-    bad = (state_probs > 0) & ~valid
+
+    lows: Float[np.ndarray, "rows vocab"]
+    highs: Float[np.ndarray, "rows vocab"]
+    tokens: Int[np.ndarray, "rows vocab"]
+    probes_agree: Bool[np.ndarray, " rows"]
+    valid: Bool[np.ndarray, " rows"]
+
+    def probs(self) -> Float[np.ndarray, "rows vocab"]:
+        """The law of the drawn token for each row: entry $[r, v]$ is the measure of
+        the uniforms for which row $r$ draws $v$. Meaningful where `valid`."""
+        rows, vocab = self.tokens.shape
+        probs = np.zeros((rows, vocab + 1))
+        on_vocab = np.where(
+            (self.tokens >= 0) & (self.tokens < vocab), self.tokens, vocab
+        )
+        np.add.at(probs, (np.arange(rows)[:, None], on_vocab), self.highs - self.lows)
+        return probs[:, :vocab]
+
+
+def sampler_cells(
+    sampler: AbstractSampler, weights: Float[np.ndarray, "rows vocab"]
+) -> SamplerCells:
+    """Finds, by calling `sampler` on `weights` (float64) under
+    `jax.enable_x64(True)`, the interval of the uniform $s$ on which it draws each
+    token, for every row.
+
+    A sampler that reads no uniform (`reads_uniforms` `False`) is called at
+    $s = 0$, the value a step passes it: one piece `[0, 1)`. Any other is scanned
+    from $s = 0$ up: the token drawn at the start of a piece is held, and bisection
+    over the float64 numbers in $[0, 1)$ finds, to the last bit, the first $s$ where
+    the sampler draws another token, which starts the next piece. This finds the
+    sampler's exact cells when each token is drawn on one interval of $s$ (as
+    inverse-CDF sampling over the vocabulary in any order does), and is wrong
+    otherwise, so it is checked: a row is valid only if it needs at most $V$
+    pieces, no token comes back in a later piece, every token lies in `[0, V)`, and
+    the sampler draws each piece's token at its midpoint and at 16 further probes of
+    $s$ (for a sampler that reads no uniform, these check that it does not).
+
+    **Arguments:**
+
+    - `sampler`: the sampler piece.
+    - `weights`: float64 `(rows, V)`, the weights it is called on, as the step calls
+        it.
+
+    **Returns:**
+
+    The `SamplerCells` of the rows, NumPy arrays of shape `(rows, V)` and `(rows,)`.
+    """
+    weights = np.asarray(weights, np.float64)
+    rows, vocab = weights.shape
+    if rows == 0:
+        empty, none = np.ones((0, vocab)), np.ones(0, bool)
+        return SamplerCells(empty, empty, empty.astype(np.int64), none, none)
+    with jax.enable_x64(True):
+        lows, highs, tokens, probes_agree = in_chunks(
+            lambda rows: _scan_sampler(sampler, rows), weights
+        )
+    used = highs > lows
+    in_vocab = np.all(~used | ((tokens >= 0) & (tokens < vocab)), axis=-1)
+    covered = highs.max(axis=-1, initial=0.0) == 1.0
+    valid = probes_agree & in_vocab & covered & ~_repeats(tokens, used)
+    return SamplerCells(lows, highs, tokens, probes_agree, valid)
+
+
+def _repeats(
+    tokens: Int[np.ndarray, "rows pieces"], used: Bool[np.ndarray, "rows pieces"]
+) -> Bool[np.ndarray, " rows"]:
+    """Whether a row draws one token in two of its used pieces."""
+    same = tokens[:, :, None] == tokens[:, None, :]
+    both = used[:, :, None] & used[:, None, :]
+    return np.any(np.triu(same & both, k=1), axis=(1, 2))
+
+
+def refuse_sampler(
+    piece: str, sampler: AbstractSampler, cells: SamplerCells, row: int
+) -> ValueError:
+    """The error for a row of `cells` that is not valid: what the exact checks
+    assume of the sampler, and what this one does instead. `piece` says where the
+    sampler sits, e.g. `"step.sampler"`."""
+    name = f"{piece} ({type(sampler).__name__})"
+    tokens, used = cells.tokens[row], cells.highs[row] > cells.lows[row]
+    vocab = len(tokens)
+    found = ", ".join(
+        f"{token} on [{low:.6g}, {high:.6g})"
+        for low, high, token, in_use in zip(
+            cells.lows[row], cells.highs[row], tokens, used, strict=True
+        )
+        if in_use
+    )
+    outside = [int(t) for t, in_use in zip(tokens, used, strict=True) if in_use]
+    outside = [t for t in outside if not 0 <= t < vocab]
+    if outside:
+        what = f"draws {outside[0]}, outside [0, V) = [0, {vocab}), for some s"
+    elif not cells.probes_agree[row]:
+        what = (
+            f"draws, scanned from s = 0, {found}, but another token at some s inside "
+            "these intervals"
+        )
+    else:
+        # Past V pieces the scan stops, before s = 1.
+        more = "" if cells.highs[row].max() == 1 else ", ..."
+        what = f"draws a token on two intervals: scanned from s = 0, {found}{more}"
+    return ValueError(
+        f"the exact check finds the law of the token that {name} draws from the "
+        "interval of the uniform s on which it draws each token, which assumes each "
+        "token is drawn on one interval of s (as inverse-CDF sampling over the "
+        f"vocabulary in any order is); {name} {what}, from weights reached with "
+        "positive probability. Test it statistically instead, with "
+        "speculax.testing.lossless_chi_square"
+    )
+
+
+@eqx.filter_jit
+def _scan_sampler(
+    sampler: AbstractSampler, weights: Float[Array, "rows vocab"]
+) -> tuple[
+    Float[Array, "rows vocab"],
+    Float[Array, "rows vocab"],
+    Int[Array, "rows vocab"],
+    Bool[Array, " rows"],
+]:
+    """The pieces of `sampler_cells`, as bit patterns turned back into floats at the
+    end, and whether the probes agree with them."""
+    rows, vocab = weights.shape
+
+    def draw(bits: Int[Array, " rows"]) -> Int[Array, " rows"]:
+        s = jax.lax.bitcast_convert_type(bits, jnp.float64)
+        return sampler(weights, s).astype(jnp.int64)
+
+    one = jnp.full((rows,), _ONE_BITS, jnp.int64)
+
+    # Bisects on the bit patterns of the float64 numbers in [0, 1), which order like
+    # the numbers themselves. `holding` draws the piece's token; `other` draws
+    # another, or is 1.0, the end of the interval, which is never evaluated.
+    def piece(j, carry):
+        low, lows, highs, tokens = carry
+        open_ = low < _ONE_BITS
+        token = draw(jnp.minimum(low, _ONE_BITS - 1))
+
+        def halve(_, bounds):
+            holding, other = bounds
+            middle = holding + (other - holding) // 2
+            same = draw(middle) == token
+            still_open = other - holding > 1
+            holding = jnp.where(still_open & same, middle, holding)
+            other = jnp.where(still_open & ~same, middle, other)
+            return holding, other
+
+        _, high = jax.lax.fori_loop(0, _HALVINGS, halve, (low, one))
+        high = jnp.where(open_, high, one)
+        lows = lows.at[:, j].set(jnp.where(open_, low, one))
+        highs = highs.at[:, j].set(high)
+        tokens = tokens.at[:, j].set(jnp.where(open_, token, -1))
+        return high, lows, highs, tokens
+
+    zero = jnp.zeros((rows,), jnp.int64)
+    unused = jnp.full((rows, vocab), _ONE_BITS, jnp.int64)
+    if sampler.reads_uniforms:
+        start = (zero, unused, unused, jnp.full((rows, vocab), -1, jnp.int64))
+        _, lows, highs, tokens = jax.lax.fori_loop(0, vocab, piece, start)
+    else:
+        # Read once, at the zero a step passes when nothing reads s; the probes
+        # below check that it does not read s after all.
+        lows = unused.at[:, 0].set(0)
+        highs = unused
+        tokens = jnp.full((rows, vocab), -1, jnp.int64).at[:, 0].set(draw(zero))
+
+    # Each piece's midpoint draws its token, and so do probes spread over [0, 1),
+    # shifted by row, that can land inside a piece the scan stepped over.
+    middles = lows + (highs - lows) // 2
+    consistent = jnp.all(
+        (highs == lows) | (jax.vmap(draw, in_axes=1, out_axes=1)(middles) == tokens),
+        axis=-1,
+    )
+    lows_f = jax.lax.bitcast_convert_type(lows, jnp.float64)
+    highs_f = jax.lax.bitcast_convert_type(highs, jnp.float64)
+    shifts = jnp.arange(rows) * _GOLDEN_FRACTION
+
+    def probe(j, consistent):
+        s = ((j + 0.5) / _PROBES + shifts) % 1.0
+        inside = (lows_f <= s[:, None]) & (s[:, None] < highs_f)
+        expected = jnp.max(jnp.where(inside, tokens, jnp.iinfo(jnp.int64).min), -1)
+        bits = jax.lax.bitcast_convert_type(s, jnp.int64)
+        return consistent & (draw(bits) == expected)
+
+    consistent = jax.lax.fori_loop(0, _PROBES, probe, consistent)
+    return lows_f, highs_f, tokens, consistent
+
+
+# The compiled functions see batches of this many rows, whatever the step.
+_CHUNK = 1024
+
+
+def in_chunks(function: Callable[..., tuple], *arrays: np.ndarray) -> list[np.ndarray]:
+    """`function` applied to the rows of `arrays` `_CHUNK` at a time (the last chunk
+    padded with copies of row 0), its outputs concatenated as NumPy arrays."""
+    size = len(arrays[0])
+    outputs = []
+    for start in range(0, size, _CHUNK):
+        rows = [array[start : start + _CHUNK] for array in arrays]
+        padding = _CHUNK - len(rows[0])
+        rows = [
+            np.concatenate([part, np.repeat(array[:1], padding, axis=0)])
+            for part, array in zip(rows, arrays, strict=True)
+        ]
+        outputs.append([np.asarray(out) for out in function(*map(jnp.asarray, rows))])
+    return [np.concatenate(parts)[:size] for parts in zip(*outputs, strict=True)]
+
+
+def _check_weights(
+    weights: np.ndarray, reached: np.ndarray, sequences: np.ndarray
+) -> None:
+    """Raises unless the residual weights are non-negative and finite with positive
+    mass in every state reached, `reached[x, m]` saying whether draft sequence $x$
+    stopping at $m$ has positive probability: an unreachable state draws no token.
+    """
+    total = np.sum(weights, axis=-1)
+    valid = np.all(np.isfinite(weights) & (weights >= 0), axis=-1) & (total > 0)
+    bad = reached & ~valid
     if np.any(bad):
         sequence, stop = np.argwhere(bad)[0]
         raise ValueError(
@@ -354,4 +599,3 @@ def _normalise(
             f"positive mass for draft sequence {sequences[sequence].tolist()} and "
             f"num_accepted = {stop}, a state reached with positive probability"
         )
-    return np.where(valid[..., None], weights / np.where(total > 0, total, 1), 0)

@@ -3,7 +3,7 @@ cells of its random numbers."""
 
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias
 
 import equinox as eqx
@@ -21,7 +21,13 @@ from .._loop import (
     model_probs,
 )
 from .._step import SpeculativeStep
-from ._chain import acceptance_thresholds, residual_weights
+from ._chain import (
+    acceptance_thresholds,
+    in_chunks,
+    refuse_sampler,
+    residual_weights,
+    sampler_cells,
+)
 
 
 # A random number of the loop, named by the data of the key it is drawn from: two
@@ -36,8 +42,7 @@ _MAX_LEAVES = 2_000_000
 class _Leaf(NamedTuple):
     """One cell of one step's random numbers: the state it starts from, its
     probability, the interval of each number and the number each use reads, and
-    what the step does there: the drafts, the number kept and the token drawn
-    (`None` for a sampler that reads no uniform)."""
+    what the step does there: the drafts, the number kept and the token drawn."""
 
     state: int
     probability: float
@@ -47,7 +52,7 @@ class _Leaf(NamedTuple):
     sample_uniform: float
     drafts: tuple[int, ...]
     num_accepted: int
-    sampled: int | None
+    sampled: int
 
 
 def loop_output_distribution(
@@ -72,19 +77,23 @@ def loop_output_distribution(
     - test $i$ passes exactly when its `ACCEPT` number lies below the threshold
         found by bisection on `loop.step.acceptance` (as
         [`speculax.testing.output_distribution`][] does);
-    - the drawn token is $y$ exactly when the `SAMPLE` number falls in $y$'s cell of
-        the cumulative distribution of the weights of `loop.step.residual` at the
-        count `loop.step.prefix` gives; a sampler that reads no uniform
-        ([`speculax.Argmax`][]) leaves the number as it was.
+    - the drawn token is $y$ exactly when the `SAMPLE` number falls in the interval
+        on which `loop.step.sampler` draws $y$ from the weights of
+        `loop.step.residual` at the count `loop.step.prefix` gives, the intervals
+        found by scanning the sampler (as
+        [`speculax.testing.output_distribution`][] does: each token must be drawn on
+        one interval, as by inverse CDF over the vocabulary in any order); a sampler
+        that reads no uniform ([`speculax.Argmax`][]) leaves the number as it was.
 
     A cell's probability is the product, over its numbers, of the fraction of each
     one's interval that remains. [`SpeculativeLoop.advance`][speculax.SpeculativeLoop]
     is then called once per cell (all cells of a step as one batch), with every
     number at the middle of its interval, and its new history is the cell's outcome.
     It must have kept the drafts and drawn the token the cell implies, or the
-    enumeration raises: a step whose pieces read their uniforms otherwise (a test
-    reading another position's uniform, a sampler other than an inverse CDF that
-    reads one) would make the cells too coarse and the result wrong. Intervals of
+    enumeration raises, naming the piece and what is assumed of it: a step whose
+    pieces read their uniforms otherwise (a test reading another position's
+    uniform, a sampler drawing a token on two intervals) would make the cells too
+    coarse and the result wrong. Intervals of
     numbers that a later step reads again are carried into that step; the others are
     forgotten, and states with the same history and the same intervals are merged.
 
@@ -112,8 +121,9 @@ def loop_output_distribution(
 
     `ValueError` for an empty prompt, an acceptance test seen not to be monotone in
     its uniform, residual weights without positive mass where they are drawn from, a
-    step that did not do in a cell what the cell implies, or more than two million
-    cells in one step.
+    sampler seen to draw a token on more than one interval of its uniform or a token
+    outside $[0, V)$, a step that did not do in a cell what the cell implies, or
+    more than two million cells in one step.
     """
     prompt = tuple(int(token) for token in prompt)
     if not prompt:
@@ -199,7 +209,7 @@ def target_output_distribution(
         for _ in range(max_new_tokens):
             histories = [prompt + generated for generated in states]
             buffer, lengths = _buffer(histories, len(prompt) + max_new_tokens)
-            (probs,) = _in_chunks(
+            (probs,) = in_chunks(
                 lambda *rows: _next_token_probs(target_model, *rows), buffer, lengths
             )
             next_states: dict[tuple[int, ...], float] = {}
@@ -322,7 +332,7 @@ def _leaves(
     buffer, lengths = _buffer(
         histories, len(prompt) + loop.max_new_tokens + num_draft + 1
     )
-    draft_probs, thresholds, monotone, weights = _in_chunks(
+    draft_probs, thresholds, monotone, weights = in_chunks(
         lambda *rows: _run_step_pieces(loop, draft_model, target_model, *rows),
         buffer,
         lengths,
@@ -331,6 +341,9 @@ def _leaves(
     counts = np.asarray(_prefix_counts(loop.step, num_draft))
     draft_cdf = _cdf(draft_probs.astype(np.float64))
     weights = weights.astype(np.float64)
+    # The cells of s for every row and stopping position, from the sampler itself.
+    sampler = loop.step.sampler
+    cells = sampler_cells(sampler, weights.reshape(-1, vocab))
     patterns = list(itertools.product([True, False], repeat=num_draft))
 
     leaves = []
@@ -376,16 +389,20 @@ def _leaves(
                     "finite or without positive mass, in a state reached with "
                     "positive probability"
                 )
-            sample_cdf = _cdf(residual)
+            cell = row * (num_draft + 1) + count
+            if not cells.valid[cell]:
+                raise refuse_sampler("loop.step.sampler", sampler, cells, cell)
             # A sampler that reads no uniform (Argmax) leaves s unconstrained.
-            draws: list[tuple[int | None, list]] = (
-                [
-                    (int(token), [(names[SAMPLE][0], *sample_cdf[token : token + 2])])
-                    for token in np.flatnonzero(residual)
-                ]
-                if loop.step.sampler.reads_uniforms
-                else [(None, [])]
-            )
+            draws = [
+                (
+                    int(token),
+                    [(names[SAMPLE][0], low, high)] if sampler.reads_uniforms else [],
+                )
+                for low, high, token in zip(
+                    cells.lows[cell], cells.highs[cell], cells.tokens[cell], strict=True
+                )
+                if high > low
+            ]
             for token, uses in draws:
                 sampled = _narrowed(*tested, uses)
                 if sampled is None:
@@ -423,24 +440,32 @@ def _check_outcome(
     first `leaf.num_accepted` drafts and drew `leaf.sampled`, then cut to the room
     left and after the end token. A step that reads its uniforms otherwise than the
     enumeration assumes would make the result wrong, not just slow."""
-    implied = list(leaf.drafts[: leaf.num_accepted])
-    if leaf.sampled is not None:
-        implied.append(leaf.sampled)
+    implied = [*leaf.drafts[: leaf.num_accepted], leaf.sampled]
     implied = implied[: loop.max_new_tokens - len(before)]
     if loop.end_token in implied:
         implied = implied[: implied.index(loop.end_token) + 1]
     added = list(after[len(before) :])
-    if leaf.sampled is None:
-        # The drawn token is the step's to choose; the drafts before it are not.
-        added = added[: len(implied)]
-    if num_accepted != leaf.num_accepted or added != implied:
-        raise ValueError(
-            f"in one cell the loop's step kept {num_accepted} drafts and appended "
-            f"{added}, where the cell implies {leaf.num_accepted} and {implied}: its "
-            "pieces do not read the uniforms as the enumeration assumes (each test "
-            "passing exactly below a threshold of its own uniform, the token drawn "
-            "by inverse CDF from the residual)"
+    if num_accepted == leaf.num_accepted and added == implied:
+        return
+    if num_accepted != leaf.num_accepted:
+        assumed = (
+            f"each test of loop.step.acceptance ({type(loop.step.acceptance).__name__})"
+            " passes exactly when its own uniform lies below a threshold (found by "
+            "bisection)"
         )
+    else:
+        assumed = (
+            f"loop.step.sampler ({type(loop.step.sampler).__name__}) draws each token "
+            "on one interval of its uniform s (found by scanning it), as inverse-CDF "
+            "sampling over the vocabulary in any order does"
+        )
+    raise ValueError(
+        f"the exact enumeration assumes that {assumed}, and this one does not: at "
+        f"uniforms where that implies {leaf.num_accepted} drafts kept and {implied} "
+        f"appended, the loop's step kept {num_accepted} and appended {added}. Test "
+        "such a piece statistically instead, as speculax.testing.lossless_chi_square "
+        "does for a step"
+    )
 
 
 def _narrowed(
@@ -510,26 +535,6 @@ def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
     return step.prefix(patterns)
 
 
-# The compiled functions see batches of this many rows, whatever the step.
-_CHUNK = 1024
-
-
-def _in_chunks(function: Callable[..., tuple], *arrays: np.ndarray) -> list[np.ndarray]:
-    """`function` applied to the rows of `arrays` `_CHUNK` at a time (the last chunk
-    padded with copies of row 0), its outputs concatenated as NumPy arrays."""
-    size = len(arrays[0])
-    outputs = []
-    for start in range(0, size, _CHUNK):
-        rows = [array[start : start + _CHUNK] for array in arrays]
-        padding = _CHUNK - len(rows[0])
-        rows = [
-            np.concatenate([part, np.repeat(array[:1], padding, axis=0)])
-            for part, array in zip(rows, arrays, strict=True)
-        ]
-        outputs.append([np.asarray(out) for out in function(*map(jnp.asarray, rows))])
-    return [np.concatenate(parts)[:size] for parts in zip(*outputs, strict=True)]
-
-
 def _outcomes(
     loop: SpeculativeLoop,
     draft_model: LanguageModel,
@@ -549,7 +554,7 @@ def _outcomes(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
     )
-    buffer, length, num_accepted, done = _in_chunks(
+    buffer, length, num_accepted, done = in_chunks(
         lambda *rows: _advance(
             loop,
             draft_model,

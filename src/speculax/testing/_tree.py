@@ -12,6 +12,7 @@ from jaxtyping import Float
 
 from .._traversal import TraversalStep
 from .._tree import AbstractTreeStep, TreeStep
+from ._chain import refuse_sampler, sampler_cells
 
 
 # A language model for the enumeration: the distribution of the next token after a
@@ -46,13 +47,16 @@ def tree_output_distribution(
     leaves what `step.siblings` returns, normalised, with the step's fallback to the
     node's target row. For a [`speculax.TraversalStep`][], the nodes are tested in
     post-order, each passing with its $\\alpha$, and a deletion updates the parent
-    through `step.siblings` as the step does. The final token is drawn from the
-    normalised weights (the sampler is assumed exact; test it statistically).
+    through `step.siblings` as the step does. The final token's law is found by
+    calling `step.sampler` on the weights the walk ends with, as
+    [`speculax.testing.output_distribution`][] does: exactly, for a sampler that
+    draws each token on one interval of its uniform (inverse CDF over the
+    vocabulary in any order, lossy or not) or reads no uniform.
 
     **Arguments:**
 
     - `step`: the [`speculax.TreeStep`][] or [`speculax.TraversalStep`][] whose rule,
-        sibling rule and `max_depth` to use.
+        sibling rule, sampler and `max_depth` to use.
     - `parents`: the parent of each draft node $1, \\dots, N$, as for the step
         (`-1` for an unused slot).
     - `target`, `draft`: functions from a tuple of tokens to a normalised float64
@@ -73,8 +77,10 @@ def tree_output_distribution(
 
     **Raises:**
 
-    `ValueError` for bad parents, a missing or unneeded `tree_tokens`, or more than
-    200,000 draft trees; `TypeError` for a step of another kind.
+    `ValueError` for bad parents, a missing or unneeded `tree_tokens`, more than
+    200,000 draft trees, or a sampler seen to draw a token on more than one interval
+    of its uniform or a token outside $[0, V)$; `TypeError` for a step of another
+    kind.
     """
     if type(step) not in (TreeStep, TraversalStep):
         raise TypeError(
@@ -96,16 +102,23 @@ def tree_output_distribution(
     children = {k: [j for j in used if parents[j - 1] == k] for k in [0, *used]}
     max_depth = num_nodes if step.max_depth is None else step.max_depth
     sibling_rule = _compiled_rule(step)
-    distribution: dict[tuple[int, ...], float] = {}
+    # Where the walk ends: the tokens before the draw, the row of weights the step
+    # draws from (each distinct row stored once, by its bytes) and the probability.
+    ends: list[tuple[tuple[int, ...], int, float]] = []
+    rows: dict[bytes, int] = {}
+    drawn_from: list[np.ndarray] = []
 
-    def emit(prefix, probs, weight):
-        for v in np.flatnonzero(probs):
-            key = (*prefix, int(v))
-            distribution[key] = distribution.get(key, 0.0) + weight * probs[v]
+    def emit(prefix, weights, weight):
+        if weight > 0:
+            row = rows.setdefault(weights.tobytes(), len(rows))
+            if row == len(drawn_from):
+                drawn_from.append(weights)
+            ends.append((prefix, row, weight))
 
     def walk(node, depth, prefix, tokens, weight):
         own = np.asarray(target(prefix), np.float64)
         p, q = own, np.asarray(draft(prefix), np.float64)
+        weights = own
         for child in children[node] if depth < max_depth else []:
             token = tokens[child]
             if target_only or drafting == "deterministic":
@@ -119,9 +132,9 @@ def tree_output_distribution(
             left, q = sibling_rule(p, q, token)
             if left.sum() == 0:
                 left = own
-            p = left / left.sum()
+            weights, p = left, left / left.sum()
             q = q / q.sum() if q.sum() > 0 else q
-        emit(prefix, p, weight)
+        emit(prefix, weights, weight)
 
     def traverse(node, depth, prefix, tokens, weight, alphas):
         """Traversal verification of the subtree under `node`, entered with the
@@ -130,6 +143,7 @@ def tree_output_distribution(
         having updated the parent's entry of `alphas`."""
         own = np.asarray(target(prefix), np.float64)
         p, q = own, np.asarray(draft(prefix), np.float64)
+        weights = own
         for child in children[node] if depth < max_depth else []:
             token = tokens[child]
             if target_only or drafting == "deterministic":
@@ -146,10 +160,10 @@ def tree_output_distribution(
             alphas[-1] = mass / total if total > 0 else 1.0
             if mass == 0:
                 left = own
-            p = left / left.sum()
+            weights, p = left, left / left.sum()
             q = q / q.sum() if q.sum() > 0 else q
         kept = min(max(alphas[-1], 0.0), 1.0) if node > 0 else 1.0
-        emit(prefix, p, weight * kept)
+        emit(prefix, weights, weight * kept)
         return weight * (1 - kept)
 
     if drafting == "deterministic":
@@ -162,6 +176,19 @@ def tree_output_distribution(
             traverse(0, 0, (), tokens, weight, [1.0])
         else:
             walk(0, 0, (), tokens, weight)
+
+    # The law of the drawn token, from the sampler itself, for every row at once.
+    cells = sampler_cells(step.sampler, np.stack(drawn_from))
+    if not np.all(cells.valid):
+        raise refuse_sampler(
+            "step.sampler", step.sampler, cells, int(np.argmin(cells.valid))
+        )
+    drawn = cells.probs()
+    distribution: dict[tuple[int, ...], float] = {}
+    for prefix, row, weight in ends:
+        for v in np.flatnonzero(drawn[row]):
+            key = (*prefix, int(v))
+            distribution[key] = distribution.get(key, 0.0) + weight * drawn[row, v]
     return distribution
 
 

@@ -1,0 +1,231 @@
+"""`speculax.testing` evaluates every piece it is given, the sampler included: a lossy
+sampler is measured, a lossless one reading the vocabulary in another order is
+handled, and one whose law it cannot find is refused with a message that names it.
+Its chi-square test of the compiled step covers what the enumeration refuses."""
+
+from typing import ClassVar, final
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, Float, Int
+from scipy import stats
+
+import speculax
+import speculax.testing
+from inputs import random_row
+from test_loop import markov_pair
+from test_trees import DRAFTS, TARGET, VOCAB
+
+
+@final
+class DropsToken(speculax.AbstractSampler):
+    """Inverse CDF over the weights with token 1 taken out (unless it holds all the
+    mass): its probability goes to the others, as in the issue's composition."""
+
+    reads_uniforms: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        dropped = weights.at[:, 1].set(0)
+        keep = jnp.sum(dropped, axis=-1, keepdims=True) > 0
+        return speculax.InverseCDF()(jnp.where(keep, dropped, weights), sample_uniforms)
+
+
+@final
+class ReversedVocabulary(speculax.AbstractSampler):
+    """Inverse CDF over the vocabulary read from its last token to its first: as
+    exact as inverse CDF, with every token's cell of s in another place."""
+
+    reads_uniforms: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        flipped = speculax.InverseCDF()(weights[:, ::-1], sample_uniforms)
+        return jnp.where(flipped >= 0, weights.shape[-1] - 1 - flipped, -1)
+
+
+@final
+class TwoSweeps(speculax.AbstractSampler):
+    """Inverse CDF at 2s mod 1: exact too, but every token is drawn on two intervals
+    of s, which the exact check cannot integrate."""
+
+    reads_uniforms: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        twice = 2 * sample_uniforms
+        return speculax.InverseCDF()(weights, jnp.where(twice >= 1, twice - 1, twice))
+
+
+def chain(sampler: speculax.AbstractSampler) -> speculax.SpeculativeStep:
+    return speculax.SpeculativeStep(sampler=sampler)
+
+
+def small_loop(sampler: speculax.AbstractSampler) -> speculax.SpeculativeLoop:
+    return speculax.SpeculativeLoop(
+        num_draft=1, max_new_tokens=3, step=speculax.SpeculativeStep(sampler=sampler)
+    )
+
+
+def tree_error(sampler: speculax.AbstractSampler) -> float:
+    return speculax.testing.tree_lossless_error(
+        speculax.TreeStep(sampler=sampler),
+        [0, 0, 0],
+        TARGET,
+        DRAFTS["random"],
+        VOCAB,
+        drafting="independent",
+    )
+
+
+LOOP_MODELS = markov_pair(3, 1, seed=2)
+
+
+def test_exact_check_measures_a_lossy_sampler():
+    # With no drafts the output is the drawn token alone: its law is exactly the
+    # sampler's on p_0, token 1's mass spread over the others.
+    _, p = random_row(seed=0, vocab=3, num_draft=0, zeros="none")
+    dist = speculax.testing.output_distribution(
+        chain(DropsToken()), np.zeros((0, 3)), p
+    )
+    expected = p[0] * [1, 0, 1] / (p[0, 0] + p[0, 2])
+    np.testing.assert_allclose(dist.token_probs[0], expected, rtol=0, atol=1e-12)
+
+    q, p = random_row(seed=0, vocab=3, num_draft=2, zeros="none")
+    assert speculax.testing.lossless_error(chain(speculax.InverseCDF()), q, p) < 1e-12
+    assert speculax.testing.lossless_error(chain(DropsToken()), q, p) > 0.01
+    assert tree_error(speculax.InverseCDF()) < 1e-12
+    assert tree_error(DropsToken()) > 0.01
+    draft, target = LOOP_MODELS
+    error = speculax.testing.loop_lossless_error(
+        small_loop(DropsToken()), draft, target, [1]
+    )
+    assert error > 0.01
+
+
+def test_exact_check_evaluates_a_deterministic_sampler():
+    # Argmax reads no uniform: it is called once, and its token has probability 1.
+    _, p = random_row(seed=3, vocab=4, num_draft=0, zeros="none")
+    step = speculax.SpeculativeStep(sampler=speculax.Argmax())
+    dist = speculax.testing.output_distribution(step, np.zeros((0, 4)), p)
+    np.testing.assert_array_equal(dist.token_probs[0], np.eye(4)[np.argmax(p[0])])
+
+
+def test_exact_check_handles_a_sampler_in_reverse_vocabulary_order():
+    q, p = random_row(seed=1, vocab=4, num_draft=2, zeros="both")
+    dist = speculax.testing.output_distribution(chain(ReversedVocabulary()), q, p)
+    assert speculax.testing.lossless_error(chain(ReversedVocabulary()), q, p) < 1e-12
+    np.testing.assert_allclose(dist.token_probs.sum(-1), dist.reach_probs, atol=1e-12)
+    assert tree_error(ReversedVocabulary()) < 1e-12
+    # The loop in reverse order is in test_loop.py.
+
+
+def assert_refused(check, match_piece: str):
+    with pytest.raises(ValueError) as caught:
+        check()
+    message = str(caught.value)
+    # It names the piece and says what the check assumes of it, and what to do.
+    assert f"{match_piece} (TwoSweeps)" in message
+    assert "each token is drawn on one interval of s" in message
+    assert "inverse-CDF sampling over the vocabulary in any order" in message
+    assert "lossless_chi_square" in message
+
+
+def test_exact_check_refuses_a_sampler_whose_cells_it_cannot_find():
+    q, p = random_row(seed=0, vocab=3, num_draft=2, zeros="none")
+    assert_refused(
+        lambda: speculax.testing.output_distribution(chain(TwoSweeps()), q, p),
+        "step.sampler",
+    )
+    assert_refused(lambda: tree_error(TwoSweeps()), "step.sampler")
+    draft, target = LOOP_MODELS
+    assert_refused(
+        lambda: speculax.testing.loop_output_distribution(
+            small_loop(TwoSweeps()), draft, target, [1]
+        ),
+        "loop.step.sampler",
+    )
+
+
+# The statistical test: one row with a zero in p_1 (a token the step must never
+# emit there), few enough samples to run in seconds. Token 1 is in the residual
+# max(p_0 - q_0, 0) and in p_2, but not in p_1.
+STAT_Q = np.array([[0.4, 0.1, 0.2, 0.3], [0.1, 0.2, 0.3, 0.4]])
+STAT_P = np.array([[0.2, 0.4, 0.3, 0.1], [0.5, 0.0, 0.25, 0.25], [0.1, 0.4, 0.4, 0.1]])
+STAT_SAMPLES = 30_000
+
+
+def stat_test(sampler: speculax.AbstractSampler) -> speculax.testing.ChiSquareTest:
+    return speculax.testing.lossless_chi_square(
+        chain(sampler),
+        STAT_Q,
+        STAT_P,
+        key=jax.random.key(0),
+        num_samples=STAT_SAMPLES,
+    )
+
+
+@pytest.mark.parametrize("sampler", [speculax.InverseCDF(), TwoSweeps()])
+def test_chi_square_passes_lossless_steps(sampler):
+    # TwoSweeps is refused by the exact check, and lossless: this is its test.
+    test = stat_test(sampler)
+    assert test.counts.shape == (3, 4) and test.reached.shape == (3,)
+    if isinstance(sampler, speculax.InverseCDF):
+        # Read by value in any integer dtype: the same rows.
+        again = speculax.testing.lossless_chi_square(
+            chain(sampler),
+            STAT_Q,
+            STAT_P,
+            key=jax.random.key(0),
+            num_samples=np.int32(STAT_SAMPLES),
+        )
+        np.testing.assert_array_equal(again.counts, test.counts)
+    assert test.reached[0] == STAT_SAMPLES
+    np.testing.assert_array_equal(test.counts.sum(-1), test.reached)
+    assert test.counts[1, 1] == 0
+    np.testing.assert_array_equal(test.dof, [3, 2, 3])
+    # The p-value is the chi-square tail, as scipy computes it.
+    np.testing.assert_allclose(
+        test.p_value, stats.chi2.sf(test.statistic, test.dof), rtol=1e-9
+    )
+    assert np.all(test.p_value > 1e-3), test.p_value
+    assert np.all(test.total_variation < 0.02), test.total_variation
+
+
+def test_chi_square_fails_a_lossy_sampler():
+    test = stat_test(DropsToken())
+    # Dropping token 1 shows where it should be drawn: at positions 0 and 2, and
+    # not at position 1, where p_1 gives it nothing to drop.
+    assert test.p_value[0] < 1e-6 and test.p_value[2] < 1e-6, test.p_value
+    assert test.p_value[1] > 1e-3, test.p_value
+    assert np.all(test.total_variation[[0, 2]] > 0.05), test.total_variation
+
+
+def test_chi_square_rejects_bad_arguments():
+    step = speculax.SpeculativeStep()
+    key = jax.random.key(0)
+    check = speculax.testing.lossless_chi_square
+    with pytest.raises(ValueError, match="num_samples must be positive"):
+        check(step, STAT_Q, STAT_P, key=key, num_samples=0)
+    for wrong in (2.5, True):
+        with pytest.raises(TypeError, match="num_samples"):
+            check(step, STAT_Q, STAT_P, key=key, num_samples=wrong)
+    # Under the runtime type checking the annotations catch the shapes first.
+    with pytest.raises((ValueError, TypeError)):
+        check(step, STAT_Q, STAT_P[:2], key=key)
+    with pytest.raises(ValueError, match="non-negative"):
+        check(step, -STAT_Q, STAT_P, key=key)
