@@ -2,10 +2,13 @@
 and statistically (the jitted loop), with its key discipline, finished rows, batch
 invariance and bad input."""
 
+import functools
 import itertools
 from typing import ClassVar, final
 
 import equinox as eqx
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -419,6 +422,38 @@ def test_bad_construction(arguments, error, match):
 
 
 @pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"num_draft": 2.0}, "num_draft must be an integer; got 2.0"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer; got True"),
+        ({"end_token": 1.5}, "end_token must be an integer; got 1.5"),
+    ],
+)
+def test_static_integers_refuse_other_types(arguments, match, monkeypatch):
+    """Without runtime type checking (the users' default) a float or a bool would
+    run as a number; the loop's own check names it."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(TypeError, match=match):
+        speculax.SpeculativeLoop(**{"num_draft": 2, "max_new_tokens": 4, **arguments})
+
+
+def test_static_integers_are_read_by_value(monkeypatch):
+    """NumPy integers, which runtime type checking refuses for an `int`, run by
+    value without it."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    draft, target = markov_pair(3, 1, seed=0)
+    prompt, key = jnp.array([[0, 1]]), jax.random.key(5)
+    plain = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4, end_token=2)
+    numpy = speculax.SpeculativeLoop(
+        num_draft=np.int64(2), max_new_tokens=np.uint8(4), end_token=np.int16(2)
+    )
+    np.testing.assert_array_equal(
+        plain(draft, target, prompt, key=key)["tokens"],
+        numpy(draft, target, prompt, key=key)["tokens"],
+    )
+
+
+@pytest.mark.parametrize(
     "step",
     [speculax.LogitsStep(), speculax.TreeStep(), speculax.TraversalStep()],
     ids=["LogitsStep", "TreeStep", "TraversalStep"],
@@ -518,3 +553,82 @@ def test_wide_prompt_tokens_are_not_wrapped_under_x64():
             loop(
                 draft, target, prompt % 3, key=jax.random.key(0), prompt_lengths=lengths
             )
+
+
+INTEGER_DTYPES = [
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+]
+
+
+@functools.cache
+def _fuzz_loop() -> tuple:
+    draft, target = markov_pair(3, 1, seed=4)
+    return draft, target, speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
+
+
+@hypothesis.settings(max_examples=40)
+@hypothesis.given(
+    dtype=st.sampled_from(INTEGER_DTYPES),
+    as_jax=st.booleans(),
+    x64=st.booleans(),
+    tokens=st.lists(
+        st.sampled_from([0, 1, 2, 3, 255, 2**16 + 1, 2**31, 2**32 + 1, -1, -129]),
+        min_size=4,
+        max_size=4,
+    ),
+    lengths=st.lists(st.sampled_from([1, 2, 0, 3, 2**32 + 2]), min_size=2, max_size=2),
+)
+def test_fuzz_integer_inputs_are_read_by_value(dtype, as_jax, x64, tokens, lengths):
+    """Prompts and lengths of every integer dtype, NumPy or JAX, with and without
+    x64: a value the dtype holds is read as that value, never wrapped, so the loop
+    answers as for the same values in int32 or names the argument at fault."""
+    info = np.iinfo(dtype)
+    tokens = [t for t in tokens if info.min <= t <= info.max]
+    lengths = [n for n in lengths if info.min <= n <= info.max]
+    hypothesis.assume(len(tokens) == 4 and len(lengths) == 2)
+    draft, target, loop = _fuzz_loop()
+    prompt = np.array(tokens, dtype).reshape(2, 2)
+    prompt_lengths = np.array(lengths, dtype)
+    with jax.enable_x64(x64):
+        given = (
+            (jnp.asarray(prompt), jnp.asarray(prompt_lengths))
+            if as_jax
+            else (
+                prompt,
+                prompt_lengths,
+            )
+        )
+        # A JAX array of a dtype JAX cannot hold (64-bit without x64) is narrowed by
+        # JAX itself, before the loop sees it: only NumPy arrays reach it whole.
+        hypothesis.assume(not as_jax or x64 or info.bits < 64)
+        key = jax.random.key(1)
+        in_range = [1 <= n <= 2 for n in lengths]
+        used = [
+            tokens[2 * row + i]
+            for row in range(2)
+            if in_range[row]
+            for i in range(lengths[row])
+        ]
+        if not all(in_range):
+            with pytest.raises(RuntimeError, match="prompt_lengths must lie in"):
+                loop(draft, target, given[0], key=key, prompt_lengths=given[1])
+        elif not all(0 <= t < 3 for t in used):
+            with pytest.raises(RuntimeError, match="prompt tokens must lie in"):
+                loop(draft, target, given[0], key=key, prompt_lengths=given[1])
+        else:
+            out = loop(draft, target, given[0], key=key, prompt_lengths=given[1])
+            want = loop(
+                draft,
+                target,
+                np.where(prompt < 3, prompt, 0).astype(np.int32),
+                key=key,
+                prompt_lengths=prompt_lengths.astype(np.int32),
+            )
+            np.testing.assert_array_equal(out["tokens"], want["tokens"])

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from ._checks import check_static_int
 from ._numerics import as_index, index_array
 from ._random import KeyArray, row_keys
 from ._sampling import InverseCDF
@@ -229,14 +230,10 @@ class SpeculativeLoop(eqx.Module):
                 "sampling parameters belong in the models, and a tree step needs a "
                 "tree drafter"
             )
-        if self.num_draft < 0:
-            raise ValueError(f"num_draft must be non-negative; got {self.num_draft}")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"max_new_tokens must be positive; got {self.max_new_tokens}"
-            )
-        if self.end_token is not None and self.end_token < 0:
-            raise ValueError(f"end_token must be non-negative; got {self.end_token}")
+        check_static_int("num_draft", self.num_draft, minimum=0)
+        check_static_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        if self.end_token is not None:
+            check_static_int("end_token", self.end_token, minimum=0)
         if not (self.step.check_values and self.step.throw):
             raise ValueError(
                 "the loop needs a step that checks values and raises "

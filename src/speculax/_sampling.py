@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._checks import check_static_int
 from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
 from ._vocab_axis import first_argmax_over_vocab, gather_blocks, vocab_offset
@@ -86,8 +87,7 @@ class InverseCDF(AbstractSampler):
     axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __check_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive; got {self.block_size}")
+        check_static_int("block_size", self.block_size, minimum=1)
 
     def __call__(
         self,

@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import check_ranks_and_dtypes, check_sizes, checked_vocab
+from ._checks import (
+    check_ranks_and_dtypes,
+    check_sizes,
+    check_static_int,
+    checked_vocab,
+)
 from ._failures import (
     RESULTS,
     Failure,
@@ -188,8 +193,8 @@ class AbstractTreeStep(eqx.Module):
     throw: eqx.AbstractVar[bool]
 
     def __check_init__(self):
-        if self.max_depth is not None and self.max_depth < 1:
-            raise ValueError(f"max_depth must be positive; got {self.max_depth}")
+        if self.max_depth is not None:
+            check_static_int("max_depth", self.max_depth, minimum=1)
         if not self.check_values and not self.throw:
             raise ValueError("throw=False needs check_values=True")
         if self.sampler.axis_name is not None:
