@@ -51,12 +51,14 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     return blocks
 
 
-def run_blocks(blocks: list[tuple[int, str]], filename: str) -> None:
+def run_blocks(blocks: list[tuple[int, str]], filename: str) -> dict:
+    """Runs the blocks in order in one namespace, and returns it."""
     namespace: dict = {"__name__": "__docs__"}
     for first_line, code in blocks:
         # Pad so that a traceback points at the right line of the Markdown file.
         compiled = compile("\n" * (first_line - 1) + code, filename, "exec")
         exec(compiled, namespace)
+    return namespace
 
 
 def test_fence_parser():
@@ -126,6 +128,30 @@ def test_docstring_code_runs():
         run_blocks(blocks, f"<docstring of {qualified_name}>")
         ran += len(blocks)
     assert ran > 0
+
+
+def test_the_guide_s_piece_takes_deterministic_drafts():
+    """The guide's example acceptance test, its first block, on `draft_probs=None`,
+    as the step passes deterministic drafts: $q_i$ the one-hot of $x_i$, so that
+    with $c = 2$ draft token $x_i$ passes when $u_i < 2 p_i(x_i)$."""
+    import speculax
+
+    page = DOCS / "guide.md"
+    namespace = run_blocks(python_blocks(page.read_text())[:1], str(page))
+    step = speculax.SpeculativeStep(acceptance=namespace["RelaxedAcceptance"](2.0))
+    out = step(
+        draft_tokens=[[1, 2, 0]],
+        draft_probs=None,
+        target_probs=[
+            [[0.1, 0.5, 0.4], [0.2, 0.2, 0.6], [0.4, 0.3, 0.3], [0.2, 0.4, 0.4]]
+        ],
+        # 0.9 < 2 * 0.5 and 0.3 < 2 * 0.6 pass (the exact test would reject the
+        # first), 0.95 >= 2 * 0.4 rejects.
+        accept_uniforms=[[0.9, 0.3, 0.95]],
+        sample_uniforms=[0.25],
+    )
+    # The correction token is drawn from p_2 with x_2 = 0 taken out, [0, 0.5, 0.5].
+    assert out["tokens"].tolist() == [[1, 2, 1, -1]]
 
 
 def test_docs_pages_have_code():
