@@ -194,3 +194,46 @@ def test_figure_is_small():
     figure = DOCS / "images/lossless.svg"
     assert figure.exists()
     assert figure.stat().st_size < 100_000
+
+
+def test_signatures_name_only_public_types():
+    """Every speculax type named in a public signature (an alias such as
+    `speculax.InputArray` included) is public, so that the API reference links it
+    instead of showing a private path. Read with griffe, as mkdocstrings reads it."""
+    griffe = pytest.importorskip("griffe")
+
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT / "src")])
+    package = loader.load("speculax")
+    loader.load("speculax.testing")
+    loader.resolve_aliases(implicit=False, external=False)
+    modules = [package, package["testing"]]
+    members = [
+        member
+        for module in modules
+        for name, member in module.members.items()
+        if not name.startswith("_")
+        # Imports of other packages (`importlib`) are no part of the API.
+        and not (member.is_alias and not member.target_path.startswith("speculax."))
+        and not member.is_module
+    ]
+    public = {member.canonical_path for member in members}
+    functions = [member for member in members if member.is_function]
+    for cls in (member for member in members if member.is_class):
+        functions += [
+            method
+            for name, method in cls.members.items()
+            if method.is_function and (name == "__call__" or not name.startswith("_"))
+        ]
+    private = set()
+    for function in functions:
+        annotations = [p.annotation for p in function.parameters] + [function.returns]
+        for annotation in annotations:
+            if not isinstance(annotation, griffe.Expr):
+                continue
+            for part in annotation.iterate(flat=True):
+                if not isinstance(part, griffe.ExprName):
+                    continue
+                path = part.canonical_path
+                if path.startswith("speculax.") and path not in public:
+                    private.add(f"{function.path}: {path}")
+    assert functions and not private, sorted(private)

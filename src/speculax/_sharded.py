@@ -11,10 +11,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from ._checks import check_structure
+from ._input_array import InputArray
 from ._numerics import as_index, index_array
 from ._random import KeyArray
 from ._step import (
-    InputArray,
     SpeculativeStep,
     StepOutput,
     optional_array,

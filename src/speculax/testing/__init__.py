@@ -44,6 +44,8 @@ from ._loop import (
     target_output_distribution as target_output_distribution,
 )
 from ._tree import (
+    Drafting as Drafting,
+    Model as Model,
     tree_lossless_error as tree_lossless_error,
     tree_output_distribution as tree_output_distribution,
 )

@@ -14,10 +14,15 @@ from .._traversal import TraversalStep
 from .._tree import AbstractTreeStep, TreeStep
 
 
-# A language model for the enumeration: the distribution of the next token after a
-# prefix of tokens (the root's own prefix being the empty tuple).
 Model: TypeAlias = Callable[[tuple[int, ...]], Float[np.ndarray, " vocab"]]
+"""A language model for the tree enumerations: a function from a prefix of tokens
+(a tuple of ints, the root's own prefix being `()`) to the normalised float64
+distribution of the next token, of shape `(vocab,)`."""
 Drafting: TypeAlias = Literal["independent", "without replacement", "deterministic"]
+"""How the drafter drew a tree's tokens, for the tree enumerations: each node's
+children from its draft row independently (`"independent"`), one after another
+without replacement (`"without replacement"`), or not at all, the tokens given
+(`"deterministic"`)."""
 _MAX_TREES = 200_000
 
 
