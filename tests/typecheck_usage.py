@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
 import speculax
+import speculax.testing
 
 
 class ThresholdAcceptance(speculax.AbstractAcceptance):
@@ -166,6 +167,12 @@ def main() -> None:
         sampler=speculax.InverseCDF(axis_name="vocab"),
     )
     assert split.axis_name == "vocab"
+
+    # The exact check on one row, from nested lists as from arrays.
+    error: float = speculax.testing.lossless_error(
+        step, [[0.5, 0.3, 0.2]], [[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]
+    )
+    assert error < 1e-12
 
     # vmap over an extra leading axis of independent batches.
     stacked = tuple(jnp.stack([x, x]) for x in inputs)
