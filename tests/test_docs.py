@@ -237,3 +237,15 @@ def test_signatures_name_only_public_types():
                 if path.startswith("speculax.") and path not in public:
                     private.add(f"{function.path}: {path}")
     assert functions and not private, sorted(private)
+
+
+def test_search_splits_dotted_names():
+    """The site's search splits words where its separator matches (the browser
+    test types into it): at a dot, so that `TreeStep` finds `speculax.TreeStep`,
+    but not at a decimal point."""
+    yaml = pytest.importorskip("yaml")
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    (search,) = [p["search"] for p in config["plugins"] if "search" in p]
+    words = [w for w in re.split(search["separator"], "speculax.TreeStep() 0.5") if w]
+    assert words == ["speculax", "TreeStep", "0.5"]

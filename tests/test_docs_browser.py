@@ -177,3 +177,35 @@ def test_the_layout_check_sees_tables(site, browser):
     browser.get(f"{url}/trees/")
     _, _, _, codes = browser.execute_script(_LAYOUT)
     assert codes >= 3
+
+
+@pytest.mark.parametrize(
+    "query, entry",
+    [
+        ("TreeStep", "api/step/#speculax.TreeStep"),
+        ("TypicalAcceptance", "api/pieces/#speculax.TypicalAcceptance"),
+        ("speculax.TreeStep", "api/step/#speculax.TreeStep"),
+        ("tree_lossless_error", "api/testing/#speculax.testing.tree_lossless_error"),
+    ],
+)
+def test_search_finds_a_name_bare_or_in_full(query, entry, site, browser):
+    """The site's search, typed into as a reader does: a public name finds its API
+    entry among the first results, whether or not it is written with `speculax.`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, url = site
+    browser.get(f"{url}/")
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    browser.execute_script(
+        "document.getElementById('__search').checked = true; arguments[0].focus();",
+        box,
+    )
+    box.send_keys(query)
+
+    def links(driver):
+        found = driver.find_elements(By.CSS_SELECTOR, "a.md-search-result__link")
+        return [link.get_attribute("href") for link in found] or None
+
+    first = WebDriverWait(browser, 20).until(links)[:3]
+    assert f"{url}/{entry}" in first, first
