@@ -41,7 +41,15 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
     ]
     status = main(["bench", "--sizes", *sizes, "--repeats", "1", "--json"])
     assert status == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    # Standard output is the JSON alone; the progress, a line as each size starts
+    # and one as it ends, is on standard error.
+    report = json.loads(captured.out)
+    progress = captured.err.splitlines()
+    assert len(progress) == 1 + 2 * len(sizes)
+    assert progress[1] == "speculax bench: [1/7] 2x3x300:float32: timing ..."
+    assert progress[-1].startswith("speculax bench: [7/7] 2x2x300:bfloat16:truncated: ")
+    assert progress[-1].endswith(" s)") and "x the floor" in progress[-1]
     assert report["backend"] == jax.default_backend()
     rows = report["results"]
     assert [row["size"] for row in rows] == [
@@ -59,9 +67,13 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["speculax_ms"])
         assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
         assert 0 <= row["temp_bytes"] <= row["temp_limit_bytes"]
-    table = format_table(rows)
-    assert table.count("\n") == 8 and "| 2 | 3 | 300 | float32 | default |" in table
-    assert "| 2 | 2 | 300 | float32 | greedy |" in table
+    ratios, details = format_table(rows).split("\n\n")
+    for table in (ratios, details):
+        # A header, its rule and a row per size; few enough columns for a page.
+        assert table.count("\n") == 8 and table.splitlines()[0].count("|") <= 8
+        assert "\n| 2x3x300 | float32 | default |" in table
+        assert "\n| 2x2x300 | float32 | greedy |" in table
+    assert "speculax / floor" in ratios and "temp bytes" in details
 
 
 def test_bench_table_without_json(capsys):
@@ -69,7 +81,8 @@ def test_bench_table_without_json(capsys):
 
     assert main(["bench", "--sizes", "1x1x64", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert "baseline / speculax" in out and "| 1 | 1 | 64 | float32 |" in out
+    assert "baseline / speculax" in out and "| 1x1x64 | float32 |" in out
+    assert "compile s" in out and "timing" not in out
 
 
 @pytest.mark.parametrize(

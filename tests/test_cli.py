@@ -111,6 +111,13 @@ def test_demo_loop_reports_each_number_of_drafts(capsys):
         capsys,
     )
     assert status == 0, err
+    # Progress on standard error, a line as each G starts and as it ends; the
+    # table on standard output.
+    assert err.splitlines()[0] == (
+        "speculax demo --loop: [1/2] G = 0: compiling and timing ..."
+    )
+    assert err.splitlines()[3].startswith("speculax demo --loop: [2/2] G = 3: ")
+    assert len(err.splitlines()) == 4 and "compiling" not in out
     rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
     assert [row[0] for row in rows] == ["0", "3"]
     baseline, speculative = rows
@@ -121,6 +128,87 @@ def test_demo_loop_reports_each_number_of_drafts(capsys):
     # One batch of 8 prompts: the target alone takes one call per token.
     assert baseline[3] == "12" and 3 <= int(speculative[3]) < 12
     assert "def __init__(self, " in out
+
+
+def test_version(capsys):
+    import speculax
+
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["--version"], capsys)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"speculax {speculax.__version__}\n"
+
+
+def test_bench_help_lists_every_variant_and_dtype(monkeypatch, capsys):
+    from speculax._bench import DTYPES, VARIANTS
+
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        _main(["bench", "--help"], capsys)
+    text = capsys.readouterr().out
+    assert f"variants: {', '.join(VARIANTS)};" in text
+    assert f"dtypes: {', '.join(DTYPES)};" in text
+
+
+# The deterministic example of the guide: 0.5 >= p_0(2) = 0.4 rejects, and y is
+# drawn from [0.3, 0.3, 0] / 0.6 at s = 0.3.
+_DETERMINISTIC = {
+    "draft_tokens": [[2, 1]],
+    "draft_probs": None,
+    "target_probs": [[[0.3, 0.3, 0.4], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]]],
+    "accept_uniforms": [[0.5, 0.9]],
+    "sample_uniforms": [0.3],
+}
+
+
+def test_run_takes_null_draft_probs_as_deterministic_drafts(tmp_path, capsys):
+    status, out, err = _run_text(json.dumps(_DETERMINISTIC).encode(), tmp_path, capsys)
+    assert status == 0, err
+    assert json.loads(out) == {"num_accepted": [0], "tokens": [[0, -1, -1]]}
+
+
+def test_run_draws_the_uniforms_from_a_seed(tmp_path, capsys):
+    """`seed` instead of the two uniform arrays: the step's `key=jax.random.key(seed)`,
+    and different seeds differ somewhere."""
+    import jax
+
+    import speculax
+
+    inputs, _ = WORKED_EXAMPLES[1]
+    unseeded = {k: v for k, v in inputs.items() if not k.endswith("_uniforms")}
+    got = set()
+    for seed in range(4):
+        data = json.dumps({**unseeded, "seed": seed}).encode()
+        status, out, err = _run_text(data, tmp_path, capsys)
+        assert status == 0, err
+        want = speculax.speculative_step(**unseeded, key=jax.random.key(seed))
+        assert json.loads(out) == {
+            name: want[name].tolist() for name in ("num_accepted", "tokens")
+        }
+        got.add(out)
+    assert len(got) > 1
+
+
+@pytest.mark.parametrize(
+    "seed, message",
+    [
+        (1.5, "seed must be an integer; got 1.5"),
+        (True, "seed must be an integer; got true"),
+        (None, "seed must be an integer; got null"),
+        ([[0]] * 10, "seed must be an integer; got [[0], [0], [0], [0],..."),
+        (-1, "seed must lie in [0, 2^32); got -1"),
+        (2**32, "seed must lie in [0, 2^32); got 4294967296"),
+    ],
+)
+def test_run_rejects_a_bad_seed(seed, message, tmp_path, capsys):
+    inputs = {k: v for k, v in _DETERMINISTIC.items() if not k.endswith("_uniforms")}
+    data = json.dumps({**inputs, "seed": seed}).encode()
+    _assert_one_line(*_run_text(data, tmp_path, capsys), message)
+
+
+def test_run_rejects_a_seed_beside_uniforms(tmp_path, capsys):
+    data = json.dumps({**_DETERMINISTIC, "seed": 0}).encode()
+    _assert_one_line(*_run_text(data, tmp_path, capsys), "either seed or")
 
 
 def test_demo_loop_rejects_a_bad_number_of_drafts(capsys):

@@ -51,12 +51,14 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     return blocks
 
 
-def run_blocks(blocks: list[tuple[int, str]], filename: str) -> None:
+def run_blocks(blocks: list[tuple[int, str]], filename: str) -> dict:
+    """Runs the blocks in order in one namespace, and returns it."""
     namespace: dict = {"__name__": "__docs__"}
     for first_line, code in blocks:
         # Pad so that a traceback points at the right line of the Markdown file.
         compiled = compile("\n" * (first_line - 1) + code, filename, "exec")
         exec(compiled, namespace)
+    return namespace
 
 
 def test_fence_parser():
@@ -128,6 +130,30 @@ def test_docstring_code_runs():
     assert ran > 0
 
 
+def test_the_guide_s_piece_takes_deterministic_drafts():
+    """The guide's example acceptance test, its first block, on `draft_probs=None`,
+    as the step passes deterministic drafts: $q_i$ the one-hot of $x_i$, so that
+    with $c = 2$ draft token $x_i$ passes when $u_i < 2 p_i(x_i)$."""
+    import speculax
+
+    page = DOCS / "guide.md"
+    namespace = run_blocks(python_blocks(page.read_text())[:1], str(page))
+    step = speculax.SpeculativeStep(acceptance=namespace["RelaxedAcceptance"](2.0))
+    out = step(
+        draft_tokens=[[1, 2, 0]],
+        draft_probs=None,
+        target_probs=[
+            [[0.1, 0.5, 0.4], [0.2, 0.2, 0.6], [0.4, 0.3, 0.3], [0.2, 0.4, 0.4]]
+        ],
+        # 0.9 < 2 * 0.5 and 0.3 < 2 * 0.6 pass (the exact test would reject the
+        # first), 0.95 >= 2 * 0.4 rejects.
+        accept_uniforms=[[0.9, 0.3, 0.95]],
+        sample_uniforms=[0.25],
+    )
+    # The correction token is drawn from p_2 with x_2 = 0 taken out, [0, 0.5, 0.5].
+    assert out["tokens"].tolist() == [[1, 2, 1, -1]]
+
+
 def test_docs_pages_have_code():
     """The pages that teach by example keep their examples (a guard against a fence
     typo that would silently turn a page's code into text).
@@ -168,3 +194,58 @@ def test_figure_is_small():
     figure = DOCS / "images/lossless.svg"
     assert figure.exists()
     assert figure.stat().st_size < 100_000
+
+
+def test_signatures_name_only_public_types():
+    """Every speculax type named in a public signature (an alias such as
+    `speculax.InputArray` included) is public, so that the API reference links it
+    instead of showing a private path. Read with griffe, as mkdocstrings reads it."""
+    griffe = pytest.importorskip("griffe")
+
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT / "src")])
+    package = loader.load("speculax")
+    loader.load("speculax.testing")
+    loader.resolve_aliases(implicit=False, external=False)
+    modules = [package, package["testing"]]
+    members = [
+        member
+        for module in modules
+        for name, member in module.members.items()
+        if not name.startswith("_")
+        # Imports of other packages (`importlib`) are no part of the API.
+        and not (member.is_alias and not member.target_path.startswith("speculax."))
+        and not member.is_module
+    ]
+    public = {member.canonical_path for member in members}
+    functions = [member for member in members if member.is_function]
+    for cls in (member for member in members if member.is_class):
+        functions += [
+            method
+            for name, method in cls.members.items()
+            if method.is_function and (name == "__call__" or not name.startswith("_"))
+        ]
+    private = set()
+    for function in functions:
+        annotations = [p.annotation for p in function.parameters] + [function.returns]
+        for annotation in annotations:
+            if not isinstance(annotation, griffe.Expr):
+                continue
+            for part in annotation.iterate(flat=True):
+                if not isinstance(part, griffe.ExprName):
+                    continue
+                path = part.canonical_path
+                if path.startswith("speculax.") and path not in public:
+                    private.add(f"{function.path}: {path}")
+    assert functions and not private, sorted(private)
+
+
+def test_search_splits_dotted_names():
+    """The site's search splits words where its separator matches (the browser
+    test types into it): at a dot, so that `TreeStep` finds `speculax.TreeStep`,
+    but not at a decimal point."""
+    yaml = pytest.importorskip("yaml")
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    (search,) = [p["search"] for p in config["plugins"] if "search" in p]
+    words = [w for w in re.split(search["separator"], "speculax.TreeStep() 0.5") if w]
+    assert words == ["speculax", "TreeStep", "0.5"]

@@ -72,6 +72,22 @@ return Array.from(document.images)
   .map((image) => image.src);
 """
 
+# At the browser's width of 1280 px: the tables (Material wraps each in a scrolling
+# box) whose content is wider than the page's text, and the identifiers in tables
+# (code without a space) that wrap onto a second line.
+_LAYOUT = """
+const boxes = Array.from(
+  document.querySelectorAll(".md-content .md-typeset__scrollwrap"));
+const wide = boxes.filter((box) => box.scrollWidth > box.clientWidth + 1)
+  .map((box) => box.querySelector("tr").innerText.slice(0, 60));
+const codes = Array.from(document.querySelectorAll(".md-content table code"));
+const broken = codes
+  .filter((code) => !/\\s/.test(code.textContent))
+  .filter((code) => code.getClientRects().length > 1)
+  .map((code) => code.textContent);
+return [wide, broken, boxes.length, codes.length];
+"""
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
@@ -130,6 +146,9 @@ def test_page_renders_in_a_browser(page, site, browser):
     assert unrendered == 0, f"{unrendered} of {formulas} formulas not rendered"
     assert containers >= formulas
     assert browser.execute_script(_BROKEN_IMAGES) == []
+    wide, broken, _, _ = browser.execute_script(_LAYOUT)
+    assert wide == [], f"tables wider than the page at 1280 px: {wide}"
+    assert broken == [], f"identifiers broken across lines: {broken}"
     errors = [
         entry["message"]
         for entry in browser.get_log("browser")
@@ -146,3 +165,47 @@ def test_the_pages_with_math_are_checked(site, browser):
     assert browser.execute_async_script(_AFTER_MATHJAX) is None
     formulas, unrendered, containers = browser.execute_script(_FORMULAS)
     assert formulas > 20 and unrendered == 0 and containers >= formulas
+
+
+def test_the_layout_check_sees_tables(site, browser):
+    """A guard for the layout check: it finds the benchmark tables and the Trees
+    page's identifiers in tables (a typo in its selectors would pass vacuously)."""
+    _, url = site
+    browser.get(f"{url}/benchmarks/")
+    _, _, tables, _ = browser.execute_script(_LAYOUT)
+    assert tables >= 3
+    browser.get(f"{url}/trees/")
+    _, _, _, codes = browser.execute_script(_LAYOUT)
+    assert codes >= 3
+
+
+@pytest.mark.parametrize(
+    "query, entry",
+    [
+        ("TreeStep", "api/step/#speculax.TreeStep"),
+        ("TypicalAcceptance", "api/pieces/#speculax.TypicalAcceptance"),
+        ("speculax.TreeStep", "api/step/#speculax.TreeStep"),
+        ("tree_lossless_error", "api/testing/#speculax.testing.tree_lossless_error"),
+    ],
+)
+def test_search_finds_a_name_bare_or_in_full(query, entry, site, browser):
+    """The site's search, typed into as a reader does: a public name finds its API
+    entry among the first results, whether or not it is written with `speculax.`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, url = site
+    browser.get(f"{url}/")
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    browser.execute_script(
+        "document.getElementById('__search').checked = true; arguments[0].focus();",
+        box,
+    )
+    box.send_keys(query)
+
+    def links(driver):
+        found = driver.find_elements(By.CSS_SELECTOR, "a.md-search-result__link")
+        return [link.get_attribute("href") for link in found] or None
+
+    first = WebDriverWait(browser, 20).until(links)[:3]
+    assert f"{url}/{entry}" in first, first

@@ -219,6 +219,18 @@ def test_exact_check_rejects_bad_input():
         speculax.testing.output_distribution(step, -q, p)
 
 
+def test_exact_check_takes_nested_lists():
+    """Nested lists of floats are what their annotation admits too, under the
+    suite's runtime type checking, and give what the arrays give."""
+    q, p = random_row(seed=0, vocab=3, num_draft=2, zeros="none")
+    step = speculax.SpeculativeStep()
+    from_lists = speculax.testing.output_distribution(step, q.tolist(), p.tolist())
+    from_arrays = speculax.testing.output_distribution(step, q, p)
+    for got, want in zip(from_lists, from_arrays, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert speculax.testing.lossless_error(step, q.tolist(), p.tolist()) < 1e-12
+
+
 # The statistical proof runs the real compiled step, sampler included, on NUM_SAMPLES
 # independent rows of one fixed (p, q).
 NUM_SAMPLES = 200_000

@@ -164,3 +164,31 @@ def test_structure_errors_on_one_device():
             np.full((1, 3, 4), 0.25, np.float32),
             np.zeros((1, 2), np.float32),
         )
+
+
+def test_a_piece_whose_axis_name_is_fixed_is_refused_by_name():
+    """A piece that fixes its `axis_name` at `None` with a field of `init=False`, as
+    the guide writes one that reads whole rows, cannot split the vocabulary."""
+    from typing import ClassVar
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import speculax
+
+    class WholeRows(speculax.AbstractSampler):
+        reads_uniforms: ClassVar[bool] = False
+        axis_name: str | None = eqx.field(default=None, static=True, init=False)
+
+        def __call__(self, weights, sample_uniforms):
+            return jnp.argmax(weights, axis=-1).astype(jnp.int32)
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "vocab"))
+    step = speculax.SpeculativeStep(sampler=WholeRows())
+    with pytest.raises(ValueError, match="sampler, WholeRows, cannot split"):
+        speculax.sharded_step(step, mesh, vocab_axis="vocab")
+    # Over the batch alone it needs no axis and runs.
+    speculax.sharded_step(step, mesh, batch_axis="data")

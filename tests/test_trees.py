@@ -4,6 +4,7 @@ invariance and bad input."""
 
 import functools
 import itertools
+import warnings
 
 import equinox as eqx
 import jax
@@ -797,3 +798,35 @@ def test_mixed_precision_inputs_under_x64():
         mixed = {**inputs, "draft_probs": inputs["draft_probs"].astype(np.float64)}
         out = speculax.TreeStep()(**mixed)
     assert out["tokens"].shape == (2, 8)
+
+
+def test_a_long_enumeration_warns_before_it_starts():
+    """Six nodes at V = 6 are 46,656 draft trees, about a minute: the warning comes
+    first (raised here as an error, so that nothing is enumerated); four nodes at
+    V = 4 are 256 trees and run without one."""
+    import speculax
+    import speculax.testing
+
+    def uniform(prefix):
+        return np.full(6, 1 / 6)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"6\^6 = 46,656 draft trees"):
+            speculax.testing.tree_lossless_error(
+                speculax.TreeStep(),
+                [0, 0, 1, 1, 2, 2],
+                uniform,
+                uniform,
+                6,
+                drafting="independent",
+            )
+        error = speculax.testing.tree_lossless_error(
+            speculax.TreeStep(),
+            [0, 0, 1, 1],
+            TARGET,
+            DRAFTS["random"],
+            VOCAB,
+            drafting="independent",
+        )
+    assert error < 1e-12

@@ -1,10 +1,11 @@
 """Type-checked, not run by pytest: the library as a researcher would use it.
 
-`pyright` (configured in pyproject.toml, basic mode) checks this file together with
-src/, so that the public surface stays usable from typed code: constructing a step,
-subclassing a piece, calling the step, indexing its result, and editing it with
-`eqx.tree_at`. The file name does not start with `test_`, so pytest does not collect
-it; it is real code all the same, and `python tests/typecheck_usage.py` runs it.
+`pyright` (configured in pyproject.toml, in its default "standard" mode) checks this
+file together with src/, so that the public surface stays usable from typed code:
+constructing a step, subclassing a piece as the guide (docs/guide.md) does, calling
+the step, indexing its result, and editing it with `eqx.tree_at`. The file name does
+not start with `test_`, so pytest does not collect it; it is real code all the same,
+and `python tests/typecheck_usage.py` runs it.
 """
 
 from typing import ClassVar
@@ -16,20 +17,22 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
 import speculax
+import speculax.testing
 
 
 class ThresholdAcceptance(speculax.AbstractAcceptance):
-    """A custom, lossy acceptance piece: passes when p(x) >= threshold * q(x)."""
+    """A custom, lossy acceptance piece written as the guide writes one: passes when
+    p(x) >= threshold * q(x)."""
 
     reads_uniforms: ClassVar[bool] = False
     reads_draft_probs: ClassVar[bool] = True
-    axis_name: ClassVar[None] = None
+    axis_name: str | None = eqx.field(default=None, static=True, init=False)
     threshold: float = 0.5
 
     def __call__(
         self,
         draft_tokens: Int[Array, "batch draft"],
-        draft_probs: Float[Array, "batch draft vocab"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
         target_probs: Float[Array, "batch draft+1 vocab"],
         accept_uniforms: Float[Array, "batch draft"],
         *,
@@ -39,8 +42,27 @@ class ThresholdAcceptance(speculax.AbstractAcceptance):
         num_draft = draft_tokens.shape[1]
         index = draft_tokens[..., None]
         p = jnp.take_along_axis(target_probs[:, :num_draft], index, axis=-1)[..., 0]
+        if draft_probs is None:
+            return p >= self.threshold
         q = jnp.take_along_axis(draft_probs, index, axis=-1)[..., 0]
         return p >= self.threshold * q
+
+
+class LargestWeight(speculax.AbstractSampler):
+    """A custom sampler that can split the vocabulary: its axis_name is a field."""
+
+    reads_uniforms: ClassVar[bool] = False
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
+
+    def __call__(
+        self,
+        weights: Float[Array, "batch vocab"],
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        del sample_uniforms
+        if self.axis_name is not None:
+            raise NotImplementedError("a sketch: whole rows only")
+        return jnp.argmax(weights, axis=-1).astype(jnp.int32)
 
 
 def make_inputs(
@@ -113,8 +135,16 @@ def main() -> None:
     counts: list[int] = np.asarray(result["num_accepted"]).tolist()
     assert all(0 <= n <= 4 for n in counts)
 
+    # Deterministic drafts reach the custom pieces as draft_probs=None.
+    deterministic = speculax.SpeculativeStep(
+        acceptance=ThresholdAcceptance(threshold=0.05), sampler=LargestWeight()
+    )
+    draft_tokens, _, target_probs, accept_uniforms, sample_uniforms = inputs
+    kept = deterministic(draft_tokens, None, target_probs, accept_uniforms)
+    assert kept["tokens"].shape == (3, 5)
+
     # The pieces can be called on their own.
-    draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms = inputs
+    draft_probs = inputs[1]
     passed = step.acceptance(draft_tokens, draft_probs, target_probs, accept_uniforms)
     n = step.prefix(passed)
     weights = step.residual(n, draft_tokens, draft_probs, target_probs)
@@ -138,6 +168,12 @@ def main() -> None:
         sampler=speculax.InverseCDF(axis_name="vocab"),
     )
     assert split.axis_name == "vocab"
+
+    # The exact check on one row, from nested lists as from arrays.
+    error: float = speculax.testing.lossless_error(
+        step, [[0.5, 0.3, 0.2]], [[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]
+    )
+    assert error < 1e-12
 
     # vmap over an extra leading axis of independent batches.
     stacked = tuple(jnp.stack([x, x]) for x in inputs)

@@ -17,6 +17,7 @@ from ._failures import (
     RESULTS as RESULTS,
     failure_messages as failure_messages,
 )
+from ._input_array import InputArray as InputArray
 from ._logits._probs import probs_from_logits as probs_from_logits
 from ._logits._step import LogitsStep as LogitsStep
 from ._loop import (
@@ -35,7 +36,7 @@ from ._prefix import (
     LastPassCount as LastPassCount,
     PrefixCount as PrefixCount,
 )
-from ._random import uniforms as uniforms
+from ._random import KeyArray as KeyArray, uniforms as uniforms
 from ._residual import (
     AbstractResidual as AbstractResidual,
     BlockResidual as BlockResidual,

@@ -1,5 +1,5 @@
 import abc
-from typing import ClassVar, final
+from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -13,6 +13,15 @@ from ._vocab_axis import (
     ordered_row_sums,
     probs_at_tokens,
 )
+
+
+# Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type
+# checking, and reads it as an instance attribute, which a subclass's `ClassVar` may
+# not override: equinox's documented workaround (pyright issue 4965).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractAcceptance(eqx.Module):
@@ -34,13 +43,15 @@ class AbstractAcceptance(eqx.Module):
         is split over (the last axis of the probabilities), as
         `eqx.nn.BatchNorm(axis_name=...)` names the axis it reduces over; `None`
         when the test sees whole rows. A test that cannot work on a slice of the
-        vocabulary states `axis_name: ClassVar[None] = None`.
+        vocabulary fixes it at `None` with
+        `axis_name: str | None = eqx.field(default=None, static=True, init=False)`,
+        which [`speculax.sharded_step`][] refuses by name on a split vocabulary.
 
     The concrete tests are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_uniforms: eqx.AbstractClassVar[bool]
-    reads_draft_probs: eqx.AbstractClassVar[bool]
+    reads_uniforms: AbstractClassVar[bool]
+    reads_draft_probs: AbstractClassVar[bool]
     axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod

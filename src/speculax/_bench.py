@@ -52,8 +52,10 @@ took 2.5 times as long, a flat maximum 1.25 times).
 """
 
 import dataclasses
+import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,9 +98,9 @@ class Size:
         if len(dtypes) > 1 or len(variants) > 1:
             raise ValueError(f"at most one dtype and one variant; got {text!r}")
         dtype = dtypes[0] if dtypes else "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
+        if dtype not in DTYPES:
             raise ValueError(
-                f"dtype must be float32, bfloat16 or float16, and a variant one of "
+                f"dtype must be one of {', '.join(DTYPES)}, and a variant one of "
                 f"{', '.join(VARIANTS)}; got {dtype!r}"
             )
         if batch < 1 or num_draft < 1 or vocab < 1:
@@ -112,6 +114,7 @@ class Size:
         return text if self.variant == "default" else f"{text}:{self.variant}"
 
 
+DTYPES = ("float32", "bfloat16", "float16")
 VARIANTS = (
     "default",
     "deterministic",
@@ -571,35 +574,69 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
 
 
 def run_bench(
-    sizes: Sequence[Size] = DEFAULT_SIZES, repeats: int = 7, seed: int = 0
+    sizes: Sequence[Size] = DEFAULT_SIZES,
+    repeats: int = 7,
+    seed: int = 0,
+    *,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """`bench_size` for every size, in order."""
-    return [bench_size(size, repeats, seed) for size in sizes]
+    """`bench_size` for every size, in order; `progress`, if given, is called with a
+    line of text as each size starts and as it ends."""
+    results = []
+    for number, size in enumerate(sizes, start=1):
+        count = f"speculax bench: [{number}/{len(sizes)}] {size}"
+        if progress is not None:
+            progress(f"{count}: timing ...")
+        start = time.perf_counter()
+        result = bench_size(size, repeats, seed)
+        results.append(result)
+        if progress is not None:
+            progress(
+                f"{count}: {result['speculax_ms']:.2f} ms, "
+                f"{result['over_floor']:.2f}x the floor, "
+                f"{result['speedup']:.1f}x the baseline "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
+    return results
 
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table of the results of `run_bench`."""
-    # The two ratios first: they are the point; the times behind them follow.
-    header = (
-        "| B | G | V | dtype | variant | speculax / floor | baseline / speculax | "
-        "speculax ms | floor ms | baseline ms | temp bytes | compile s |\n"
-        "|---:|---:|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
-    lines = [
-        f"| {r['batch']} | {r['num_draft']} | {r['vocab']} | {r['dtype']} "
-        f"| {r['variant']} "
-        f"| {r['over_floor']:.2f}x | {r['speedup']:.1f}x "
-        f"| {r['speculax_ms']:.2f} | {r['floor_ms']:.2f} | {r['baseline_ms']:.2f} "
-        f"| {r['temp_bytes']:,} | {r['compile_s']:.2f} |"
+    """Two Markdown tables of the results of `run_bench`, each narrow enough for a
+    page: the step's time and its two ratios, then the times behind the ratios, the
+    temporary memory and the compilation time."""
+    size = [
+        f"| {r['batch']}x{r['num_draft']}x{r['vocab']} | {r['dtype']} | {r['variant']} "
         for r in results
     ]
-    return header + "\n".join(lines)
+    # The two ratios first: they are the point; the times behind them follow.
+    ratios = (
+        "| size | dtype | variant | speculax / floor | baseline / speculax "
+        "| speculax ms |\n"
+        "|:---|:---|:---|---:|---:|---:|\n"
+    ) + "\n".join(
+        f"{s}| {r['over_floor']:.2f}x | {r['speedup']:.1f}x | {r['speculax_ms']:.2f} |"
+        for s, r in zip(size, results, strict=True)
+    )
+    details = (
+        "| size | dtype | variant | floor ms | baseline ms | temp bytes "
+        "| compile s |\n"
+        "|:---|:---|:---|---:|---:|---:|---:|\n"
+    ) + "\n".join(
+        f"{s}| {r['floor_ms']:.2f} | {r['baseline_ms']:.2f} "
+        f"| {r['temp_bytes']:,} | {r['compile_s']:.2f} |"
+        for s, r in zip(size, results, strict=True)
+    )
+    return f"{ratios}\n\n{details}"
 
 
 def main(sizes: Sequence[str] | None, repeats: int, as_json: bool) -> int:
-    """The body of `speculax bench`; returns the exit status."""
+    """The body of `speculax bench`; returns the exit status. Progress goes to
+    standard error, one line as each size starts and ends; standard output holds
+    the results alone."""
     parsed = [Size.parse(text) for text in sizes] if sizes else list(DEFAULT_SIZES)
-    results = run_bench(parsed, repeats)
+    progress = functools.partial(print, file=sys.stderr, flush=True)
+    progress(f"speculax bench: {len(parsed)} sizes, median of {repeats} runs each")
+    results = run_bench(parsed, repeats, progress=progress)
     if as_json:
         print(
             json.dumps(

@@ -13,6 +13,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ._failures import RESULTS
+    from ._random import KeyArray
     from ._step import StepOutput
 
 INPUT_NAMES = (
@@ -22,6 +23,9 @@ INPUT_NAMES = (
     "accept_uniforms",
     "sample_uniforms",
 )
+UNIFORM_NAMES = ("accept_uniforms", "sample_uniforms")
+# jax.random.key reads a seed modulo 2^32: a larger one would be another seed.
+SEED_LIMIT = 2**32
 
 
 class InputError(Exception):
@@ -30,9 +34,15 @@ class InputError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `speculax` command line; returns the exit status."""
+    from . import __version__
+    from ._bench import DTYPES, VARIANTS
+
     parser = argparse.ArgumentParser(
         prog="speculax",
         description="The verification step of speculative decoding.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}"
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
@@ -74,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --loop: timed runs per batch (median; default: 5)",
     )
     run_parser = commands.add_parser(
-        "run", help="run one step on a JSON object of the five inputs"
+        "run",
+        help="run one step on a JSON object of the five inputs, or of three and a "
+        "seed for the uniforms",
     )
     run_parser.add_argument(
         "file", nargs="?", help="JSON file to read (default: standard input)"
@@ -88,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         metavar="BxGxV[:dtype][:variant]",
         help="sizes to run, e.g. 64x5x128256, 64x5x128256:bfloat16 or "
-        "64x5x128256:greedy (variants: deterministic, greedy; default: a table from "
-        "1x4x32000 to 8x4x262144 and both variants at 64x5x128256)",
+        f"64x5x128256:greedy (dtypes: {', '.join(DTYPES)}; variants: "
+        f"{', '.join(VARIANTS)}; default: a table from 1x4x32000 to 8x4x262144 "
+        "and every variant)",
     )
     bench_parser.add_argument(
         "--repeats", type=int, default=7, help="timed runs per function (median)"
@@ -165,6 +178,11 @@ def step_json(inputs: Any) -> dict[str, list]:
     [`speculax.speculative_step`][] does, reading its failures as codes
     (`throw=False`).
 
+    The object holds the five inputs under their argument names, `draft_probs`
+    `null` for deterministic drafts; or, instead of the two uniform arrays, a
+    `seed` in $[0, 2^{32})$, from which the step draws them as with
+    `key=jax.random.key(seed)`.
+
     **Raises:**
 
     `InputError` with a one-line message for anything that is not a valid input; for
@@ -177,18 +195,29 @@ def step_json(inputs: Any) -> dict[str, list]:
         raise InputError(
             f"expected a JSON object with the keys {', '.join(INPUT_NAMES)}"
         )
-    missing = [name for name in INPUT_NAMES if name not in inputs]
+    seeded = "seed" in inputs
+    names = [name for name in INPUT_NAMES if not (seeded and name in UNIFORM_NAMES)]
+    missing = [name for name in names if name not in inputs]
     if missing:
         raise InputError(f"missing key(s): {', '.join(missing)}")
-    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if seeded and any(name in inputs for name in UNIFORM_NAMES):
+        raise InputError(
+            "give either seed or accept_uniforms and sample_uniforms, not both"
+        )
+    unknown = sorted(set(inputs) - {*INPUT_NAMES, "seed"})
     if unknown:
         raise InputError(f"unknown key(s): {', '.join(unknown)}")
-    arrays = {name: _as_array(name, inputs[name]) for name in INPUT_NAMES}
+    draft_tokens = _as_array("draft_tokens", inputs["draft_tokens"])
+    # null draft_probs: deterministic drafts, q_i the one-hot of x_i.
+    draft_probs = inputs["draft_probs"]
+    if draft_probs is not None:
+        draft_probs = _as_array("draft_probs", draft_probs)
+    arrays = [_as_array(name, inputs[name]) for name in names[2:]]
+    noise = {"key": _key(inputs["seed"])} if seeded else {}
     try:
         # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
         out, result = _reporting_step()(
-            index_array(arrays["draft_tokens"]),
-            *(arrays[name] for name in INPUT_NAMES[1:]),
+            index_array(draft_tokens), draft_probs, *arrays, **noise
         )
     except (ValueError, TypeError) as error:
         raise InputError(str(error)) from None
@@ -205,6 +234,20 @@ def _reporting_step() -> Callable[..., tuple["StepOutput", "RESULTS"]]:
     from ._step import SpeculativeStep
 
     return eqx.filter_jit(SpeculativeStep(throw=False).with_result)
+
+
+def _key(seed: Any) -> "KeyArray":
+    """The JAX key of a JSON seed, an integer read by value (never wrapped)."""
+    import jax
+
+    # bool is an int in Python, and 1.0 is no integer in JSON terms.
+    if type(seed) is not int:
+        shown = json.dumps(seed)
+        shown = shown if len(shown) <= 20 else f"{shown[:20]}..."
+        raise InputError(f"seed must be an integer; got {shown}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise InputError(f"seed must lie in [0, 2^32); got {seed}")
+    return jax.random.key(seed)
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -316,13 +359,18 @@ def _demo_loop(
         "speculax demo --loop: speculative sampling with two byte-level models "
         "trained on the standard library's sources\n"
         f"{len(PROMPTS)} prompts, {batch_size} per call, {max_new_tokens} new tokens "
-        f"each; wall-clock time is the median of {repeats} runs\n"
+        f"each; wall-clock time is the median of {repeats} runs\n",
+        flush=True,
     )
     results = measure_loop(
         sorted(set(num_drafts)),
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
+        # Progress on standard error: the table on standard output comes at the end.
+        progress=lambda line: print(
+            f"speculax demo --loop: {line}", file=sys.stderr, flush=True
+        ),
     )
     print("   G  acceptance  tokens/call  target calls      time  speedup")
     for result in results:

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from ._checks import check_static_int
+from ._input_array import InputArray
 from ._numerics import as_index, index_array
 from ._random import KeyArray, row_keys
 from ._sampling import InverseCDF
-from ._step import InputArray, SpeculativeStep
+from ._step import SpeculativeStep
 
 
 LanguageModel: TypeAlias = Callable[

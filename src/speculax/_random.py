@@ -3,8 +3,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key, UInt32
 
 
-# One key, or one per row; typed keys (`jax.random.key`) or legacy uint32 ones.
 KeyArray = Key[Array, "..."] | UInt32[Array, "... 2"]
+"""What the `key` arguments of speculax take: JAX PRNG keys, typed
+(`jax.random.key(0)`, one key of shape `()`, or `jax.random.split(key, batch)`, one
+per row) or legacy `uint32` ones (`jax.random.PRNGKey(0)`, with a trailing axis of
+2). Each function's documentation says which shapes it takes.
+"""
 
 
 def uniforms(

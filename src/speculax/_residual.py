@@ -1,5 +1,5 @@
 import abc
-from typing import ClassVar, final
+from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -9,6 +9,15 @@ from ._block import scaled_excess, stopping_ratio
 from ._numerics import upcast
 from ._stopping_rows import stopping_rows
 from ._vocab_axis import any_over_vocab, one_hot_over_vocab
+
+
+# Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type
+# checking, and reads it as an instance attribute, which a subclass's `ClassVar` may
+# not override: equinox's documented workaround (pyright issue 4965).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractResidual(eqx.Module):
@@ -32,7 +41,7 @@ class AbstractResidual(eqx.Module):
     The concrete residuals are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_draft_probs: eqx.AbstractClassVar[bool]
+    reads_draft_probs: AbstractClassVar[bool]
     axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod

@@ -1,6 +1,6 @@
 import abc
 from collections.abc import Callable
-from typing import ClassVar, final
+from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -11,6 +11,15 @@ from ._checks import check_static_int
 from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
 from ._stopping_rows import RowSummary, block_weights
 from ._vocab_axis import first_argmax_over_vocab, gather_blocks, vocab_offset
+
+
+# Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type
+# checking, and reads it as an instance attribute, which a subclass's `ClassVar` may
+# not override: equinox's documented workaround (pyright issue 4965).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractSampler(eqx.Module):
@@ -27,7 +36,7 @@ class AbstractSampler(eqx.Module):
     The concrete samplers are final: to change one, wrap it in a piece of your own.
     """
 
-    reads_uniforms: eqx.AbstractClassVar[bool]
+    reads_uniforms: AbstractClassVar[bool]
     axis_name: eqx.AbstractVar[str | None]
 
     @abc.abstractmethod

@@ -14,10 +14,10 @@ from jaxtyping import Array
 
 from ._checks import check_structure
 from ._failures import RESULTS
+from ._input_array import InputArray
 from ._numerics import as_index, index_array
 from ._random import KeyArray
 from ._step import (
-    InputArray,
     SpeculativeStep,
     StepOutput,
     optional_array,
@@ -74,9 +74,10 @@ def sharded_step(
     With a batch axis only, any pieces whose `axis_name` is `None` work, with no
     communication at all. With a vocabulary axis, the pieces of `step` whose
     `axis_name` is `None` are given `vocab_axis` (every piece of speculax can split
-    the vocabulary); a piece that cannot (its `axis_name` a class variable `None`) is
-    refused. A piece that names an axis other than `vocab_axis` is refused either
-    way: it would reduce over the wrong devices.
+    the vocabulary); a piece that cannot (its `axis_name` fixed at `None`, a field
+    with `init=False` or a class variable) is refused. A piece that names an axis
+    other than `vocab_axis` is refused either way: it would reduce over the wrong
+    devices.
 
     **Arguments:**
 
@@ -221,10 +222,12 @@ def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str | None) -> Speculative
                 f"step.{field} splits the vocabulary over {piece.axis_name!r}, but "
                 f"vocab_axis is {vocab_axis!r}"
             )
-        if "axis_name" not in {f.name for f in dataclasses.fields(piece)}:
+        # A piece that reads whole rows fixes its axis_name at None: a field with
+        # init=False, or a class variable.
+        if not any(f.name == "axis_name" and f.init for f in dataclasses.fields(piece)):
             raise ValueError(
                 f"step.{field}, {type(piece).__name__}, cannot split the vocabulary: "
-                "its axis_name is not a field"
+                "its axis_name is fixed, not a field set at construction"
             )
         pieces[field] = dataclasses.replace(piece, axis_name=vocab_axis)
     return dataclasses.replace(step, **pieces)

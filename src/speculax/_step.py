@@ -1,9 +1,8 @@
-from collections.abc import Sequence
-from typing import Any, TypeAlias, TypedDict
+from typing import TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Int
+from jaxtyping import Array, Int
 
 from ._acceptance import (
     AbstractAcceptance,
@@ -20,17 +19,13 @@ from ._failures import (
     report_failures,
     sampled_failure,
 )
+from ._input_array import InputArray
 from ._numerics import as_index, index_array
 from ._prefix import AbstractPrefixCount, LastPassCount, PrefixCount
 from ._random import KeyArray, uniforms
 from ._residual import AbstractResidual, BlockResidual, Residual, TargetRow
 from ._sampling import AbstractSampler, Argmax, InverseCDF
 from ._vocab_axis import full_vocab
-
-
-# The entry points take JAX arrays, NumPy arrays or nested Python lists, and check their
-# structure themselves: jaxtyping shapes are on the pieces, which see arrays only.
-InputArray: TypeAlias = ArrayLike | Sequence[Any]
 
 
 class StepOutput(TypedDict):

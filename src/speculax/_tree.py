@@ -24,6 +24,7 @@ from ._failures import (
     outside_unit_interval,
     report_failures,
 )
+from ._input_array import InputArray
 from ._numerics import (
     arithmetic_dtype,
     as_index,
@@ -34,7 +35,7 @@ from ._numerics import (
 )
 from ._random import KeyArray
 from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
-from ._step import InputArray, optional_array, resolve_uniforms
+from ._step import optional_array, resolve_uniforms
 from ._stopping_rows import read_row, summary_loops_over_rows, summation_lanes
 from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
 

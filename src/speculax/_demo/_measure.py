@@ -1,6 +1,6 @@
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -56,6 +56,7 @@ def measure_loop(
     max_new_tokens: int = 128,
     repeats: int = 5,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> list[LoopMeasurement]:
     """Runs the speculative sampling loop with the demo's models on `PROMPTS`, with
     no draft tokens (the target alone) and then with each number of draft tokens,
@@ -72,6 +73,8 @@ def measure_loop(
     - `max_new_tokens`: keyword only, the tokens to generate per prompt.
     - `repeats`: keyword only, timed runs per batch and $G$.
     - `seed`: keyword only, the root of the rows' keys.
+    - `progress`: keyword only, if given, called with a line of text as each $G$
+        starts and as it ends (its compilation and runs take seconds each).
 
     **Returns:**
 
@@ -121,8 +124,17 @@ def measure_loop(
 
     results = []
     baseline_seconds = None
-    for num_draft in (0, *num_drafts):
+    for number, num_draft in enumerate((0, *num_drafts), start=1):
+        count = f"[{number}/{len(num_drafts) + 1}] G = {num_draft}"
+        if progress is not None:
+            progress(f"{count}: compiling and timing ...")
+        start = time.perf_counter()
         outputs, seconds = run(num_draft)
+        if progress is not None:
+            progress(
+                f"{count}: {1000 * seconds:.1f} ms a run "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
         if baseline_seconds is None:
             baseline_seconds = seconds
         num_tokens, num_steps, accepted, tokens = (

@@ -16,12 +16,12 @@ from .._failures import (
     sampled_failure,
     stopping_row_failures,
 )
+from .._input_array import InputArray
 from .._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
 from .._prefix import PrefixCount
 from .._random import KeyArray
 from .._sampling import InverseCDF, sample_residual
 from .._step import (
-    InputArray,
     StepOutput,
     assemble_tokens,
     optional_array,

@@ -53,6 +53,8 @@ from ._statistical import (
     lossless_chi_square as lossless_chi_square,
 )
 from ._tree import (
+    Drafting as Drafting,
+    Model as Model,
     tree_lossless_error as tree_lossless_error,
     tree_output_distribution as tree_output_distribution,
 )

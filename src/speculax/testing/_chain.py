@@ -1,7 +1,7 @@
 """Exact output distributions of the chain step, by enumeration."""
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import equinox as eqx
@@ -49,8 +49,9 @@ class OutputDistribution(NamedTuple):
 
 def output_distribution(
     step: SpeculativeStep,
-    draft_probs: Float[Array | np.ndarray, "draft vocab"],
-    target_probs: Float[Array | np.ndarray, "draft+1 vocab"],
+    draft_probs: Float[Array | np.ndarray, "draft vocab"] | Sequence[Sequence[float]],
+    target_probs: Float[Array | np.ndarray, "draft+1 vocab"]
+    | Sequence[Sequence[float]],
 ) -> OutputDistribution:
     """Computes exactly, in float64, the distribution of one row's output of `step`
     when each draft token $x_i$ is drawn from $q_i$ independently and the uniforms
@@ -87,9 +88,10 @@ def output_distribution(
 
     - `step`: the step whose `acceptance`, `prefix`, `residual` and `sampler` pieces
         to use.
-    - `draft_probs`: $q_i$, float of shape `(G, V)`, one row's draft distributions.
+    - `draft_probs`: $q_i$, float of shape `(G, V)`, one row's draft distributions:
+        a JAX or NumPy array, or nested lists of floats.
     - `target_probs`: $p_i$, float of shape `(G + 1, V)`, one row's target
-        distributions.
+        distributions, likewise.
 
     **Returns:**
 
@@ -181,8 +183,9 @@ def output_distribution(
 
 
 def check_row(
-    draft_probs: Float[Array | np.ndarray, "draft vocab"],
-    target_probs: Float[Array | np.ndarray, "draft+1 vocab"],
+    draft_probs: Float[Array | np.ndarray, "draft vocab"] | Sequence[Sequence[float]],
+    target_probs: Float[Array | np.ndarray, "draft+1 vocab"]
+    | Sequence[Sequence[float]],
 ) -> tuple[Float[np.ndarray, "draft vocab"], Float[np.ndarray, "draft+1 vocab"]]:
     """One row's $q$ and $p$ as float64 NumPy arrays, checked: shapes `(G, V)` and
     `(G + 1, V)`, values finite and non-negative."""
@@ -201,8 +204,9 @@ def check_row(
 
 def lossless_error(
     step: SpeculativeStep,
-    draft_probs: Float[Array | np.ndarray, "draft vocab"],
-    target_probs: Float[Array | np.ndarray, "draft+1 vocab"],
+    draft_probs: Float[Array | np.ndarray, "draft vocab"] | Sequence[Sequence[float]],
+    target_probs: Float[Array | np.ndarray, "draft+1 vocab"]
+    | Sequence[Sequence[float]],
 ) -> float:
     """How far `step` is from lossless on one row: the largest absolute difference
     between the exact distribution of token $k$ given $n \\ge k$ and $p_k$,
@@ -215,8 +219,9 @@ def lossless_error(
     **Arguments:**
 
     - `step`: the step to check.
-    - `draft_probs`: $q_i$, float of shape `(G, V)`, normalised.
-    - `target_probs`: $p_i$, float of shape `(G + 1, V)`, normalised.
+    - `draft_probs`: $q_i$, float of shape `(G, V)`, normalised: an array or nested
+        lists of floats.
+    - `target_probs`: $p_i$, float of shape `(G + 1, V)`, normalised, likewise.
 
     **Returns:**
 

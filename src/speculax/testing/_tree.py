@@ -1,6 +1,7 @@
 """Exact output distributions of the tree step, by enumeration of every draft tree."""
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, TypeAlias
 
@@ -15,11 +16,18 @@ from .._tree import AbstractTreeStep, TreeStep
 from ._chain import refuse_sampler, sampler_cells
 
 
-# A language model for the enumeration: the distribution of the next token after a
-# prefix of tokens (the root's own prefix being the empty tuple).
 Model: TypeAlias = Callable[[tuple[int, ...]], Float[np.ndarray, " vocab"]]
+"""A language model for the tree enumerations: a function from a prefix of tokens
+(a tuple of ints, the root's own prefix being `()`) to the normalised float64
+distribution of the next token, of shape `(vocab,)`."""
 Drafting: TypeAlias = Literal["independent", "without replacement", "deterministic"]
+"""How the drafter drew a tree's tokens, for the tree enumerations: each node's
+children from its draft row independently (`"independent"`), one after another
+without replacement (`"without replacement"`), or not at all, the tokens given
+(`"deterministic"`)."""
 _MAX_TREES = 200_000
+# Past this many trees the enumeration takes tens of seconds or more.
+_SLOW_TREES = 10_000
 
 
 def tree_output_distribution(
@@ -213,7 +221,23 @@ def tree_lossless_error(
     as the target model; a lossless step gives rounding error only, about
     $10^{-16}$. The arguments are those of
     [`speculax.testing.tree_output_distribution`][].
+
+    **Cost:** $V^N$ draft trees are enumerated, $N$ the nodes in use (one tree for
+    `"deterministic"`), each walked in Python with up to $N$ calls of `target`, of
+    `draft` and of the compiled sibling rule: on the order of a millisecond per
+    tree on a CPU, more with slow models. Four nodes at $V = 4$ (256 trees) take
+    half a second, six at $V = 4$ (4,096) a few seconds, six at $V = 6$ (46,656) a
+    minute or more. A `UserWarning` says so before the enumeration starts when it
+    holds more than 10,000 trees, and more than 200,000 is a `ValueError`.
     """
+    in_use = sum(1 for parent in parents if parent >= 0)
+    num_trees = 1 if drafting == "deterministic" else vocab**in_use
+    if _SLOW_TREES < num_trees <= _MAX_TREES:
+        warnings.warn(
+            f"tree_lossless_error enumerates {vocab}^{in_use} = {num_trees:,} draft "
+            f"trees, about a millisecond each: expect {num_trees // 1000} s or more",
+            stacklevel=2,
+        )
     distribution = tree_output_distribution(
         step,
         parents,
