@@ -526,6 +526,8 @@ def test_logits_the_step_does_not_read_may_hold_anything():
         ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
         ({"temperature": jnp.ones(3)}, ValueError, r"temperature must be a scalar or"),
         ({"top_k": jnp.ones(2)}, TypeError, "top_k must have an integer dtype"),
+        ({"top_k": 2.0}, TypeError, "top_k must have an integer dtype"),
+        ({"top_k": True}, TypeError, "top_k must have an integer dtype; got bool"),
         ({"top_p": jnp.ones(2, jnp.int32)}, TypeError, "top_p must have a floating"),
     ],
 )
@@ -740,5 +742,7 @@ def test_token_major_rejects_lengths_that_do_not_fit():
         speculax.from_token_major(jnp.zeros(3), jnp.array([2, 2]), num_draft=2)
     with pytest.raises(RuntimeError, match="needs more rows than num_tokens"):
         speculax.to_token_major(jnp.zeros((2, 2)), jnp.array([2, 2]), num_tokens=3)
-    with pytest.raises(ValueError, match="num_draft_tokens must be an integer array"):
+    with pytest.raises(TypeError, match="num_draft_tokens must have an integer dtype"):
         speculax.from_token_major(jnp.zeros(3), jnp.array([1.0]), num_draft=2)
+    with pytest.raises(ValueError, match=r"num_draft_tokens must have shape \(B,\)"):
+        speculax.from_token_major(jnp.zeros(3), jnp.array([[1]]), num_draft=2)

@@ -49,7 +49,8 @@ def probs_from_logits(
         to the uniform one over the largest logits, and so it is at every positive
         temperature too small to tell them apart.
     - `top_k`: keep the `top_k` largest logits (and any tied with the smallest of
-        them); `None`, `0` or at least $V$ keeps all.
+        them); `None`, `0` or at least $V$ keeps all. Any integer dtype, read by
+        value: a count beyond what `int32` holds keeps all.
     - `top_p`: keep the smallest set of most likely tokens whose probability sums to
         at least `top_p`, in `(0, 1]` (and any tied with the least likely of them);
         `None` or `1` keeps all.
