@@ -80,8 +80,10 @@ def from_token_major(
         "num_draft_tokens needs more rows than values has",
     )
     if values.shape[0] == 0:
-        shape = (lengths.shape[0], positions, *values.shape[1:])
-        return jnp.full(shape, fill, values.dtype)
+        # Nothing to read: one row of `fill` stands in for the gather, which keeps
+        # the checks on the lengths in the program (under `jit` a check whose
+        # output is unused is dropped).
+        values = jnp.full((1, *values.shape[1:]), fill, values.dtype)
     index = jnp.where(used, starts[:, None] + jnp.arange(positions)[None, :], 0)
     used = used.reshape(used.shape + (1,) * (values.ndim - 1))
     return jnp.where(used, values[index], jnp.asarray(fill, values.dtype))
@@ -149,7 +151,13 @@ def to_token_major(
         "num_draft_tokens needs more rows than num_tokens",
     )
     if batch == 0:
+        # No lengths, so no check can fail.
         return jnp.full((num_tokens, *padded.shape[2:]), fill, padded.dtype)
+    if positions == 0:
+        # G = 0 without the bonus row: every length is 0, so nothing is read, but a
+        # gather needs a position; one of `fill` stands in, keeping the checks.
+        padded = jnp.full((batch, 1, *padded.shape[2:]), fill, padded.dtype)
+        positions = 1
     # The request each flat row belongs to: the number of requests ending at or
     # before it.
     request = jnp.minimum(

@@ -1,6 +1,8 @@
 """Each request's sampling parameters: temperature, top-$k$ and top-$p$, as arrays of
 one value per row, checked."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from .._numerics import integer_input
 class SamplingParameters(eqx.Module):
     """The sampling parameters of each row, as arrays of shape `(batch,)`.
 
-    - `temperature`: divides the logits; `0` means greedy for that row.
+    - `temperature`: divides the logits, finite; `0` means greedy for that row.
     - `top_k`: the number of largest logits kept; `0` (or at least $V$) keeps all.
         Read by value in any integer dtype: a count `int32` cannot hold is its
         largest value, which keeps all too.
@@ -27,7 +29,10 @@ class SamplingParameters(eqx.Module):
     def failures(self) -> list[Failure]:
         """The run-time checks of the values, in the order they are reported."""
         return [
-            (~(self.temperature >= 0), RESULTS.temperature_out_of_range),
+            (
+                ~((self.temperature >= 0) & jnp.isfinite(self.temperature)),
+                RESULTS.temperature_out_of_range,
+            ),
             (self.top_k < 0, RESULTS.top_k_out_of_range),
             (~((self.top_p > 0) & (self.top_p <= 1)), RESULTS.top_p_out_of_range),
         ]
@@ -50,8 +55,10 @@ def sampling_parameters(
     `TypeError`; an array's values are checked at run time
     (`SamplingParameters.failures`).
     """
-    if isinstance(temperature, int | float) and not temperature >= 0:
-        raise ValueError(f"temperature must be non-negative; got {temperature}")
+    if isinstance(temperature, int | float) and not 0 <= temperature < math.inf:
+        raise ValueError(
+            f"temperature must be finite and non-negative; got {temperature}"
+        )
     if isinstance(top_k, int) and top_k < 0:
         raise ValueError(f"top_k must be non-negative (0 keeps all); got {top_k}")
     if isinstance(top_p, int | float) and not 0 < top_p <= 1:
