@@ -10,6 +10,8 @@ import re
 from collections.abc import Callable
 
 import equinox as eqx
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -677,3 +679,218 @@ def test_failure_messages_need_concrete_codes():
     _, result = step.with_result(**random_inputs(4, BATCH, DRAFT, VOCAB))
     with pytest.raises(ValueError, match="outside jit"):
         jax.jit(lambda result: len(speculax.failure_messages(result)))(result)
+
+
+# Every other entry point that takes an integer, fuzzed over every dtype, NumPy and
+# JAX arrays and Python ints, with and without x64: read by value, never wrapped.
+# The oracle is the same call on int32 values where the value is valid, and the
+# documented error where it is not.
+ALL_INTEGER_DTYPES = [*INTEGER_DTYPES, "uint64"]
+INT32 = np.iinfo(np.int32)
+# Values either side of every width's limits, and the wrapping traps: 2**32 + 2 is 2
+# in int32, 2**32 - 1 (uint32) is -1.
+SPECIAL_VALUES = [
+    *range(-1, 4),
+    7,
+    127,
+    255,
+    INT32.max,
+    INT32.max + 1,
+    2**32 - 1,
+    2**32 + 2,
+    -(2**32) + 2,
+    2**63 - 1,
+    2**64 - 1,
+    2**70,
+    -(2**70),
+]
+
+
+@functools.cache
+def _bigram_loop():
+    import speculax
+
+    table = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.3, 0.3, 0.4]]))
+
+    def bigram(tokens, positions):
+        return table[jnp.take_along_axis(tokens, positions, axis=1)]
+
+    loop = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
+    prompt = jnp.array([[0, 1, 2], [2, 1, 0], [1, 1, 1]])
+    return lambda lengths: loop(
+        bigram, bigram, prompt, key=jax.random.key(0), prompt_lengths=lengths
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerEntry:
+    """An entry point taking an integer argument `name`, given as
+    `[value, *companions]` (a row of positions around the value for linked lists,
+    the value alone for a rank)."""
+
+    name: str
+    call: Callable
+    companions: tuple[int, ...]
+    # The error type(s) and message for an invalid value, None for a valid one.
+    error: Callable[[int], tuple | None]
+    # An int32 value that must give the same answer as a valid value.
+    equivalent: Callable[[int], int] = lambda v: v
+
+
+def _integer_entries() -> dict[str, IntegerEntry]:
+    import speculax
+
+    logits = jnp.log(jnp.array([[7.0, 1, 6, 2, 5, 3, 4]]))
+
+    def outside(low, high, error, pattern):
+        return lambda v: None if low <= v <= high else (error, pattern)
+
+    def link_error(v):
+        if not -1 <= v < 3:
+            return ValueError, rf"next_sibling must lie in \[-1, 3\); got {v} at"
+        # Position 1's next sibling: itself (a cycle) or the root (reached twice).
+        return (ValueError, "cycle|reached twice") if v in (0, 1) else None
+
+    def rank_error(v):
+        if v < 0:
+            return ValueError, r"paths\[1\] must be non-empty and non-negative"
+        return (ValueError, "repeats the path") if v == 0 else None
+
+    entries = [
+        IntegerEntry(
+            "top_k",
+            # One request: a Python int, or an array of shape (1,).
+            lambda k: speculax.probs_from_logits(
+                logits, top_k=k[0] if isinstance(k, list) else k
+            ),
+            (),
+            # A Python int is checked at once, an array at run time.
+            outside(0, np.inf, (ValueError, RuntimeError), "top_k must be non-neg"),
+            # A count int32 cannot hold keeps all, as V does.
+            lambda v: min(v, 7),
+        ),
+        IntegerEntry(
+            "num_draft_tokens",
+            lambda g: speculax.from_token_major(jnp.arange(8.0), g, num_draft=2),
+            (2, 1),
+            outside(0, 2, RuntimeError, r"num_draft_tokens must lie in \[0, 2\]"),
+        ),
+        IntegerEntry(
+            "num_draft_tokens",
+            lambda g: speculax.to_token_major(
+                jnp.arange(9.0).reshape(3, 3), g, num_tokens=8, bonus=True
+            ),
+            (2, 1),
+            outside(0, 2, RuntimeError, r"num_draft_tokens must lie in \[0, 2\]"),
+        ),
+        IntegerEntry(
+            "next_sibling",
+            lambda links: speculax.tree_from_linked_lists(
+                np.array([[1, -1, -1]]), links
+            ),
+            (),
+            link_error,
+        ),
+        IntegerEntry(
+            r"paths\[1\]\[0\]",
+            lambda ranks: speculax.parents_from_paths([(0,), (ranks[0],)]),
+            (),
+            rank_error,
+            # Ranks only order siblings: any rank after 0 gives the same tree.
+            lambda v: 1,
+        ),
+        IntegerEntry(
+            "prompt_lengths",
+            _bigram_loop(),
+            (3, 2),
+            outside(1, 3, RuntimeError, r"prompt_lengths must lie in \[1, P\]"),
+        ),
+    ]
+    return dict(zip(INTEGER_ENTRIES, entries, strict=True))
+
+
+INTEGER_ENTRIES = [
+    "top_k",
+    "from_token_major",
+    "to_token_major",
+    "tree_from_linked_lists",
+    "parents_from_paths",
+    "loop",
+]
+
+
+def _in(dtype: str, container: str, values: list[int], entry: str):
+    """`values` in the given dtype and container: a NumPy array, a JAX array or
+    nested Python numbers."""
+    if entry == "tree_from_linked_lists":
+        values = [[-1, values[0], -1]]
+    if container == "python":
+        return np.array(values, dtype).tolist() if dtype in NOT_INTEGERS else values
+    if entry == "parents_from_paths":
+        rank = np.dtype(dtype).type(values[0])
+        return [jnp.asarray(rank) if container == "jax" else rank]
+    array = np.array(values, dtype)
+    return jnp.asarray(array) if container == "jax" else array
+
+
+def _containers(dtype: str, entry: str, value: int):
+    """The containers that hold `value` in `dtype` (with the entry's -1s), JAX
+    without 64-bit numbers unless x64 is on."""
+    info = np.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        return []
+    if entry == "tree_from_linked_lists" and info.min == 0:
+        return []  # the lists hold -1, which no unsigned dtype does
+    with_jax = jax.config.jax_enable_x64 or info.bits < 64
+    return ["numpy", "jax"] if with_jax else ["numpy"]
+
+
+# Each mode compiles every entry point once (half a minute): x64 in the slow tier.
+@pytest.mark.parametrize(
+    "x64", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["x32", "x64"]
+)
+@hypothesis.settings(max_examples=40)
+@hypothesis.given(
+    entry_name=st.sampled_from(INTEGER_ENTRIES),
+    value=st.sampled_from(SPECIAL_VALUES) | st.integers(-(2**72), 2**72),
+)
+def test_fuzz_every_integer_entry_point_reads_by_value(x64, entry_name, value):
+    """The value in every integer dtype that holds it, as a NumPy array, a JAX
+    array and a Python int: the answer of the same call on an int32 value where it
+    is valid, the documented error where it is not."""
+    entry = _integer_entries()[entry_name]
+    with jax.enable_x64(x64):
+        given = [
+            _in(dtype, container, [value, *entry.companions], entry_name)
+            for dtype in ALL_INTEGER_DTYPES
+            for container in _containers(dtype, entry_name, value)
+        ]
+        given.append(_in("int64", "python", [value, *entry.companions], entry_name))
+        error = entry.error(value)
+        want = None
+        if error is None:
+            same = [entry.equivalent(value), *entry.companions]
+            want = entry.call(_in("int32", "numpy", same, entry_name))
+        for values in given:
+            if error is not None:
+                with pytest.raises(error[0], match=error[1]):
+                    jax.block_until_ready(entry.call(values))
+                continue
+            for got_leaf, want_leaf in zip(
+                jax.tree.leaves(entry.call(values)), jax.tree.leaves(want), strict=True
+            ):
+                np.testing.assert_array_equal(got_leaf, want_leaf)
+
+
+# Not integers: refused, naming the argument, whatever the values.
+NOT_INTEGERS = ["float32", "float64", "bool"]
+
+
+@pytest.mark.parametrize("container", ["numpy", "jax", "python"])
+@pytest.mark.parametrize("dtype", NOT_INTEGERS)
+@pytest.mark.parametrize("entry_name", INTEGER_ENTRIES)
+def test_no_integer_entry_point_takes_a_float_or_a_bool(entry_name, dtype, container):
+    entry = _integer_entries()[entry_name]
+    given = _in(dtype, container, [1, *entry.companions], entry_name)
+    with pytest.raises(TypeError, match=entry.name):
+        jax.block_until_ready(entry.call(given))

@@ -65,6 +65,10 @@ def _with(**changes):
             "target_probs is not a rectangular",
         ),
         (_with(draft_tokens=[[3, 7]]), "row 0: draft_tokens must lie in [0, V)"),
+        # Integers by value, however NumPy would read them: a mix of negative ones
+        # and ones beyond int64 (float64 to NumPy), and ones beyond 64 bits.
+        (_with(draft_tokens=[[2**63, -1]]), "row 0: draft_tokens must lie in [0, V)"),
+        (_with(draft_tokens=[[2**70, 3]]), "row 0: draft_tokens must lie in [0, V)"),
         (_with(sample_uniforms=[1.0]), "sample_uniforms must lie in [0, 1)"),
     ],
 )

@@ -407,6 +407,7 @@ def _bad(batch: dict, name: str, b: int, value, index=None) -> dict:
 BAD_VALUES = [
     ("temperature", "temperature", 1, -0.5, None),
     ("temperature NaN", "temperature", 1, np.nan, None),
+    ("temperature inf", "temperature", 1, np.inf, None),
     ("top_k", "top_k", 1, -3, None),
     ("top_p zero", "top_p", 1, 0.0, None),
     ("top_p above one", "top_p", 1, 1.5, None),
@@ -420,7 +421,7 @@ BAD_VALUES = [
     ("truncated draft NaN", "draft_logits", 2, np.nan, (0, 7)),
 ]
 MESSAGES = {
-    "temperature": "temperature must be non-negative",
+    "temperature": "temperature must be finite and non-negative",
     "top_k": "top_k must be non-negative",
     "top_p": "top_p must lie in",
     "target_logits": "target_logits must",
@@ -429,6 +430,7 @@ MESSAGES = {
 RESULTS_OF = {
     "temperature": "temperature_out_of_range",
     "temperature NaN": "temperature_out_of_range",
+    "temperature inf": "temperature_out_of_range",
     "top_k": "top_k_out_of_range",
     "top_p zero": "top_p_out_of_range",
     "top_p above one": "top_p_out_of_range",
@@ -517,14 +519,93 @@ def test_logits_the_step_does_not_read_may_hold_anything():
     assert again["tokens"].tolist() == out["tokens"].tolist()
 
 
+def test_a_row_the_step_never_draws_from_may_hold_no_finite_logit():
+    """The bonus row p_G all -inf, or NaN, where a draft fails before G: the step
+    never reads it, as the probability step never reads the all-zero (or NaN) p_G
+    it becomes, and the answer is the probability path's; where every draft
+    passes, p_G is drawn from and refused."""
+    batch = _mixed_batch(6, "float32", "sampled", False)
+    good = _run(_logits_step, batch)
+    stopped = np.asarray(good["num_accepted"]) < NUM_DRAFT
+    assert stopped.any() and not stopped.all()
+    for value in (-np.inf, np.nan):
+        target = np.asarray(batch["target_logits"]).copy()
+        target[stopped, NUM_DRAFT] = value
+        unread = {**batch, "target_logits": jnp.asarray(target)}
+        out = _run(_logits_step, unread)
+        assert out["tokens"].tolist() == good["tokens"].tolist()
+        for b in np.flatnonzero(stopped)[:3]:
+            alone = _probability_path(unread, b)
+            assert out["tokens"][b].tolist() == alone["tokens"][0].tolist()
+    target[np.flatnonzero(~stopped)[0], NUM_DRAFT] = -np.inf
+    with pytest.raises(RuntimeError, match="target_logits must hold a finite value"):
+        jax.block_until_ready(
+            _run(_logits_step, {**batch, "target_logits": jnp.asarray(target)})
+        )
+
+
+def test_the_largest_finite_temperature_is_uniform_over_the_finite_logits():
+    """The limit an infinite temperature (refused) would have, reached by every
+    finite one too large to tell the logits apart: masked (-inf) tokens keep
+    probability 0, never NaN (XLA CPU divides by a subnormal reciprocal there),
+    and both entry points agree."""
+    largest = float(np.finfo(np.float32).max)
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((2, 3, VOCAB)).astype(np.float32)
+    logits[..., ::3] = -np.inf
+    finite = np.isfinite(logits)
+    probs = speculax.probs_from_logits(jnp.asarray(logits), temperature=largest)
+    np.testing.assert_allclose(probs, finite / finite.sum(-1, keepdims=True), 1e-6)
+    tokens = jnp.array([[1, 2], [4, 5]])
+    u, s = speculax.uniforms(jax.random.key(1), 2, 2)
+    out = _logits_step(
+        tokens, logits[:, :2], logits, u, s, temperature=jnp.full(2, largest)
+    )
+    expected = _probs_step(tokens, probs[:, :2], probs, u, s)
+    assert out["tokens"].tolist() == expected["tokens"].tolist()
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_a_top_k_int32_cannot_hold_keeps_all_in_both_entry_points(x64):
+    """Read by value: a JAX uint32 or int64 count beyond int32 keeps every token,
+    as any count from V up does, never wrapped to a negative count (refused) or a
+    small one (truncating the row)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((2, 2, VOCAB)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (2, 1)))
+    expected = jnp.array([0, 3], jnp.int32)
+    with jax.enable_x64(x64):
+        huge = [("uint32", 2**32 - 1), ("uint32", 2**31)]
+        if x64:
+            huge += [("int64", 2**32 + 2), ("uint64", 2**64 - 1)]
+        for dtype, value in huge:
+            top_k = jnp.array([value, 3], dtype)
+            np.testing.assert_array_equal(
+                speculax.probs_from_logits(logits, top_k=top_k),
+                speculax.probs_from_logits(logits, top_k=expected),
+            )
+            if x64:
+                continue  # the step reads top_k through the same parameters
+            step = [
+                speculax.LogitsStep()(
+                    tokens, logits[:, :1], logits, top_k=k, key=jax.random.key(0)
+                )["tokens"]
+                for k in (top_k, expected)
+            ]
+            np.testing.assert_array_equal(*step)
+
+
 @pytest.mark.parametrize(
     "keywords, error, message",
     [
-        ({"temperature": -1.0}, ValueError, "temperature must be non-negative"),
+        ({"temperature": -1.0}, ValueError, "temperature must be finite and non"),
+        ({"temperature": np.inf}, ValueError, "temperature must be finite and non"),
         ({"top_k": -1}, ValueError, "top_k must be non-negative"),
         ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
         ({"temperature": jnp.ones(3)}, ValueError, r"temperature must be a scalar or"),
         ({"top_k": jnp.ones(2)}, TypeError, "top_k must have an integer dtype"),
+        ({"top_k": 2.0}, TypeError, "top_k must have an integer dtype"),
+        ({"top_k": True}, TypeError, "top_k must have an integer dtype; got bool"),
         ({"top_p": jnp.ones(2, jnp.int32)}, TypeError, "top_p must have a floating"),
     ],
 )
@@ -732,6 +813,55 @@ def test_token_major_feeds_the_step():
     assert _run(_logits_step, converted)["tokens"].tolist() == out["tokens"].tolist()
 
 
+@pytest.mark.parametrize("bonus", [False, True])
+def test_token_major_round_trip_without_draft_positions(bonus):
+    """G = 0: every length is 0, and each request has its bonus row or nothing;
+    under jit the checks on the lengths stay, with nothing to gather."""
+    lengths = jnp.zeros(3, jnp.int32)
+    flat = jnp.arange(3.0 * bonus + 2)
+    padded = speculax.from_token_major(flat, lengths, num_draft=0, bonus=bonus)
+    assert padded.shape == (3, int(bonus))
+    back = eqx.filter_jit(
+        lambda padded, lengths: speculax.to_token_major(
+            padded, lengths, num_tokens=5, bonus=bonus, fill=-1.0
+        )
+    )
+    expected = [0.0, 1.0, 2.0] * bonus + [-1.0] * (5 - 3 * bonus)
+    assert back(padded, lengths).tolist() == expected
+    with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, 0\]"):
+        jax.block_until_ready(back(padded, jnp.array([0, 1, 0])))
+
+
+def test_token_major_checks_lengths_with_no_values_under_jit():
+    convert = eqx.filter_jit(
+        lambda values, lengths: speculax.from_token_major(values, lengths, num_draft=2)
+    )
+    assert convert(jnp.zeros(0), jnp.array([0, 0])).tolist() == [[0, 0], [0, 0]]
+    with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, 2\]"):
+        jax.block_until_ready(convert(jnp.zeros(0), jnp.array([3, 0])))
+    with pytest.raises(RuntimeError, match="needs more rows than values has"):
+        jax.block_until_ready(convert(jnp.zeros(0), jnp.array([1, 0])))
+
+
+def test_token_major_reads_lengths_and_sizes_by_value():
+    """A NumPy int64 length beyond int32 is out of range, not wrapped to a small
+    one; sizes may be NumPy integers, never floats."""
+    flat = jnp.arange(5.0)
+    with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, 2\]"):
+        speculax.from_token_major(flat, np.array([2**32 + 1, 0]), num_draft=2)
+    with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, 2\]"):
+        speculax.to_token_major(
+            jnp.zeros((2, 2)), np.array([0, 2**32]), num_tokens=np.int64(4)
+        )
+    padded = speculax.from_token_major(flat, [2, 1], num_draft=np.uint8(2))
+    assert padded.tolist() == [[0.0, 1.0], [2.0, 0.0]]
+    for keywords in ({"num_draft": 2.0}, {"num_draft": True}):
+        with pytest.raises(TypeError, match="num_draft"):
+            speculax.from_token_major(flat, [2, 1], **keywords)
+    with pytest.raises(ValueError, match="num_tokens must be non-negative"):
+        speculax.to_token_major(jnp.zeros((2, 2)), [0, 0], num_tokens=-1)
+
+
 def test_token_major_rejects_lengths_that_do_not_fit():
     with pytest.raises(RuntimeError, match=r"num_draft_tokens must lie in \[0, 2\]"):
         speculax.from_token_major(jnp.zeros(5), jnp.array([3, 0]), num_draft=2)
@@ -739,5 +869,7 @@ def test_token_major_rejects_lengths_that_do_not_fit():
         speculax.from_token_major(jnp.zeros(3), jnp.array([2, 2]), num_draft=2)
     with pytest.raises(RuntimeError, match="needs more rows than num_tokens"):
         speculax.to_token_major(jnp.zeros((2, 2)), jnp.array([2, 2]), num_tokens=3)
-    with pytest.raises(ValueError, match="num_draft_tokens must be an integer array"):
+    with pytest.raises(TypeError, match="num_draft_tokens must have an integer dtype"):
         speculax.from_token_major(jnp.zeros(3), jnp.array([1.0]), num_draft=2)
+    with pytest.raises(ValueError, match=r"num_draft_tokens must have shape \(B,\)"):
+        speculax.from_token_major(jnp.zeros(3), jnp.array([[1]]), num_draft=2)

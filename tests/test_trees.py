@@ -562,6 +562,39 @@ def test_linked_lists_that_are_not_trees_are_refused():
         speculax.tree_from_linked_lists(np.array([[3, -1]]), np.array([[-1, -1]]))
 
 
+def test_tree_formats_read_integers_by_value_and_refuse_floats():
+    """A float rank or position is refused, never truncated (1.5 is not 1); any
+    integer dtype, NumPy or JAX, gives the same tree, and 2**32 is no position."""
+    import speculax
+
+    with pytest.raises(TypeError, match=r"paths\[1\]\[0\] must be an integer"):
+        speculax.parents_from_paths([(0,), (1.5,)])
+    with pytest.raises(TypeError, match=r"paths\[0\]\[0\] must be an integer"):
+        speculax.parents_from_paths([(True,)])
+    ranks = [(np.uint64(0),), (np.int8(1),), (0, np.int64(2**40)), (0, 2**70)]
+    assert speculax.parents_from_paths(ranks).tolist() == [0, 0, 1, 1]
+    next_token = np.array([[1, 4, -1, -1, -1]])
+    next_sibling = np.array([[-1, 2, -1, -1, 3]])
+    want = speculax.tree_from_linked_lists(next_token, next_sibling)
+    for dtype in ("int8", "int16", "int32", "int64"):
+        for convert in (np.asarray, jnp.asarray):
+            got = speculax.tree_from_linked_lists(
+                convert(next_token.astype(dtype)), convert(next_sibling.astype(dtype))
+            )
+            for got_array, want_array in zip(got, want, strict=True):
+                np.testing.assert_array_equal(got_array, want_array)
+    with pytest.raises(TypeError, match="next_token must have an integer dtype"):
+        speculax.tree_from_linked_lists(next_token + 0.5, next_sibling)
+    with pytest.raises(TypeError, match="next_sibling must have an integer dtype"):
+        speculax.tree_from_linked_lists(next_token, next_sibling.astype(float))
+    wide = next_sibling.copy()
+    wide[0, 1] = 2**32
+    with pytest.raises(
+        ValueError, match=r"next_sibling must lie in \[-1, 5\); got 4294967296"
+    ):
+        speculax.tree_from_linked_lists(next_token, wide)
+
+
 def _uniforms_on_block_edges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each row, uniforms within 3 float32 steps of every block edge of its
     float64 cumulative sum: where the last bit of a block sum decides the block."""

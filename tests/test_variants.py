@@ -77,8 +77,11 @@ def test_probs_from_logits_takes_a_traced_temperature():
         np.testing.assert_allclose(
             traced(jnp.float32(temperature)), expected, atol=2e-6
         )
-    with pytest.raises(RuntimeError, match="temperature must be non-negative"):
-        jax.block_until_ready(traced(jnp.float32(-1.0)))
+    for bad in (-1.0, np.inf):
+        with pytest.raises(
+            RuntimeError, match="temperature must be finite and non-negative"
+        ):
+            jax.block_until_ready(traced(jnp.float32(bad)))
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30])

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ._numerics import static_integer
+
 
 def check_structure(
     draft_tokens: Array,
@@ -103,12 +105,8 @@ def check_sizes(
 
 def check_static_int(name: str, value: object, minimum: int) -> None:
     """Raises `TypeError` for a static integer hyperparameter that is not an integer
-    (a float, a bool, an array) and `ValueError` for one below `minimum` (0 or 1),
-    naming it. NumPy integers are read by value."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(
-            f"{name} must be an integer; got {value!r} of type {type(value).__name__}"
-        )
-    if value < minimum:
+    (a float, a bool; see `static_integer`) and `ValueError` for one below `minimum`
+    (0 or 1), naming it. NumPy integers are read by value."""
+    if static_integer(value, name) < minimum:
         bound = "non-negative" if minimum == 0 else "positive"
         raise ValueError(f"{name} must be {bound}; got {value}")

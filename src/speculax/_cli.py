@@ -263,12 +263,19 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     except (ValueError, TypeError, OverflowError, RecursionError):
         raise not_numbers from None
     if name == "draft_tokens":
+        from ._numerics import host_integers
+
+        if array.size == 0:
+            return array.astype(np.int32)
+        if _leaf_types(value) <= {int}:
+            # JSON integers exactly, whatever NumPy makes of them (objects beyond 64
+            # bits, float64 for negative ones beside ones beyond int64): the step
+            # reads them by value, one beyond int32 a token out of range.
+            return host_integers(value)
         if array.dtype.kind == "O":
-            # Integers beyond 64 bits: no vocabulary is that large.
-            raise InputError(
-                f"{name} must lie in [0, V); got an integer beyond 64 bits"
-            )
-        return array.astype(np.int32) if array.size == 0 else array
+            # Floats beside integers beyond float64's range.
+            raise InputError(f"{name} must have an integer dtype; got a float")
+        return array
     try:
         array = np.asarray(value, np.float64)
     except OverflowError:

@@ -82,7 +82,8 @@ class RESULTS(eqx.Enumeration):
     top_p_out_of_range = "top_p must lie in (0, 1]; got a value outside it or NaN"
     top_k_out_of_range = "top_k must be non-negative (0 keeps all); got a negative one"
     temperature_out_of_range = (
-        "temperature must be non-negative (0 means greedy); got a negative one or NaN"
+        "temperature must be finite and non-negative (0 means greedy); got a negative "
+        "one, inf or NaN"
     )
     sample_uniform_out_of_range = (
         "sample_uniforms must lie in [0, 1); got a value outside it or NaN"

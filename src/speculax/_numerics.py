@@ -2,6 +2,7 @@
 indices and the order of summation. See `docs/concepts.md`, "Numbers".
 """
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,46 +40,108 @@ def flush_subnormal(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jnp.where(jnp.abs(x) < jnp.finfo(x.dtype).smallest_normal, 0, x)
 
 
-def index_array(x: ArrayLike | Sequence[Any], unrepresentable: int = -1) -> Array:
-    """An integer input (tokens, lengths) as a JAX array, narrowed without wrapping.
+def index_array(
+    x: ArrayLike | Sequence[Any], unrepresentable: int | None = -1
+) -> Array:
+    """An integer input (tokens, lengths, counts) as a JAX array, narrowed without
+    wrapping.
 
     JAX without x64 keeps at most 32-bit integers and would wrap a NumPy `int64`
     such as $2^{32} + 3$ to $3$, a plausible wrong token. Values that `int32` cannot
     hold become `unrepresentable` here, before any narrowing: $-1$ by default, which
     every check of a token or length rejects as out of range (parents, for which
-    $-1$ means an unused slot, pass $-2$). JAX arrays pass through (see `as_index`
-    for their narrowing). An empty nested list, which NumPy would call float, is an
+    $-1$ means an unused slot, pass $-2$); `None` saturates instead, for counts such
+    as `top_k` where every value from $V$ up means the same. JAX arrays pass through
+    (see `as_index` for their narrowing). Nested Python ints are read exactly (see
+    `host_integers`), and an empty nested list, which NumPy would call float, is an
     empty integer array.
     """
     if isinstance(x, Array):
         return x
-    array = np.asarray(x)
+    array = host_integers(x)
     if isinstance(x, Sequence) and array.size == 0:
         return jnp.asarray(array, jnp.int32)
-    if array.dtype.kind not in "iu":
-        # Not an integer array: the structure check names the argument and its dtype.
+    if not is_integer_array(array):
+        # Not an integer array: the caller's dtype check names the argument.
         return jnp.asarray(array)
     limits = np.iinfo(np.int32)
-    fits = (array >= limits.min) & (array <= limits.max)
-    return jnp.asarray(np.where(fits, array, unrepresentable).astype(np.int32))
+    # Compared by value (NumPy compares every integer dtype, and Python ints, with a
+    # Python int exactly), then assigned into int32: no promotion to float on the
+    # way, as `np.where` would make of `uint64` and a negative sentinel.
+    above, below = array > limits.max, array < limits.min
+    narrowed = np.zeros(array.shape, np.int32)
+    fits = ~(above | below)
+    narrowed[fits] = array[fits]
+    narrowed[above] = limits.max if unrepresentable is None else unrepresentable
+    narrowed[below] = limits.min if unrepresentable is None else unrepresentable
+    return jnp.asarray(narrowed)
 
 
 def as_index(
-    x: Integer[Array, "*shape"], unrepresentable: int = -1
+    x: Integer[Array, "*shape"], unrepresentable: int | None = -1
 ) -> Int[Array, "*shape"]:
     """Integers of any dtype as `int32`, exactly: values that `int32` cannot hold
-    (from `uint32`, or `int64` and `uint64` under x64) become `unrepresentable`, as
-    in `index_array`. Narrower dtypes widen exactly, so that comparisons with the
-    vocabulary size never overflow the input's own dtype.
+    (from `uint32`, or `int64` and `uint64` under x64) become `unrepresentable`, or
+    the nearest value `int32` holds for `None`, as in `index_array`. Narrower dtypes
+    widen exactly, so that comparisons with the vocabulary size never overflow the
+    input's own dtype.
     """
     info = jnp.iinfo(x.dtype)
     limits = jnp.iinfo(jnp.int32)
-    fits = jnp.ones(x.shape, bool)
-    if info.max > limits.max:
-        fits &= x <= limits.max
-    if info.min < limits.min:
-        fits &= x >= limits.min
-    return jnp.where(fits, x.astype(jnp.int32), unrepresentable)
+    above = jnp.zeros(x.shape, bool) if info.max <= limits.max else x > limits.max
+    below = jnp.zeros(x.shape, bool) if info.min >= limits.min else x < limits.min
+    narrowed = x.astype(jnp.int32)
+    if unrepresentable is None:
+        return jnp.where(above, limits.max, jnp.where(below, limits.min, narrowed))
+    return jnp.where(above | below, unrepresentable, narrowed)
+
+
+def integer_input(
+    x: ArrayLike | Sequence[Any], name: str, unrepresentable: int | None = -1
+) -> Int[Array, "..."]:
+    """An integer argument `name` of any shape as `int32`, by value (`index_array`,
+    then `as_index`); a `TypeError` naming it for any other dtype (floats, bools)."""
+    array = index_array(x, unrepresentable)
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {array.dtype}")
+    return as_index(array, unrepresentable)
+
+
+def host_integers(x: ArrayLike | Sequence[Any]) -> np.ndarray:
+    """`x` as a NumPy array, nested Python ints exactly: NumPy reads ints beyond 64
+    bits as objects, and a mix of negative ints and ints beyond `int64` as
+    `float64`, which would make integers look like floats; those come back as an
+    array of Python ints (dtype `object`). Anything else is as NumPy reads it."""
+    array = np.asarray(x)
+    if array.dtype.kind in "fO" and not isinstance(x, np.ndarray | np.generic):
+        exact = np.asarray(x, dtype=object)
+        if exact.size and all(_is_python_int(v) for v in exact.flat):
+            return exact
+    return array
+
+
+def is_integer_array(array: np.ndarray) -> bool:
+    """Whether a NumPy array (from `host_integers`) holds integers: an integer
+    dtype, or Python ints only."""
+    if array.dtype.kind in "iu":
+        return True
+    return array.dtype.kind == "O" and all(_is_python_int(v) for v in array.flat)
+
+
+def _is_python_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def static_integer(value: Any, name: str) -> int:
+    """A static integer argument (a size, a count, a rank) as a Python int, by value:
+    a Python int, a NumPy integer or a concrete integer array of shape `()`; a
+    `TypeError` naming it for a float or a bool, which are never read as integers."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer; got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer; got {value!r}") from None
 
 
 # The number of vocabulary entries the sampler sums into one block: the only place

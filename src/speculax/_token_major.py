@@ -8,16 +8,21 @@ steps take rectangular arrays with `num_draft_tokens`; these two functions conve
 between the two, under `jit`, the lengths traced.
 """
 
+from typing import SupportsIndex
+
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Int, Shaped
+from jaxtyping import Array, Int, Shaped
+
+from ._numerics import integer_input, static_integer
+from ._step import InputArray
 
 
 def from_token_major(
     values: Shaped[Array, "tokens *rest"],
-    num_draft_tokens: ArrayLike,
+    num_draft_tokens: InputArray,
     *,
-    num_draft: int,
+    num_draft: SupportsIndex,
     bonus: bool = False,
     fill: int | float = 0,
 ) -> Shaped[Array, "batch positions *rest"]:
@@ -30,8 +35,9 @@ def from_token_major(
         (draft tokens `(T,)`, draft logits `(T, V)`, ...). Rows past the last
         request's are ignored, so engines' buffers padded to a fixed size may be
         passed whole.
-    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, num_draft]`.
-    - `num_draft`: keyword only, $G$, the padded number of draft positions.
+    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, num_draft]`, in any
+        integer dtype, read by value.
+    - `num_draft`: keyword only, $G \\ge 0$, the padded number of draft positions.
     - `bonus`: keyword only, whether each request holds one more row than it has
         drafts, $g_b + 1$ (the target's rows, the last following its last draft);
         then the output has $G + 1$ positions.
@@ -45,8 +51,11 @@ def from_token_major(
 
     **Raises:**
 
-    An Equinox runtime error (a `RuntimeError`) when a length lies outside
-    `[0, num_draft]` or the requests need more rows than `values` has.
+    `TypeError` for lengths or a `num_draft` that are not integers (floats and
+    bools included); `ValueError` for lengths not of shape `(B,)` or a negative
+    `num_draft`; an Equinox runtime error (a `RuntimeError`) when a length lies
+    outside `[0, num_draft]` (a value `int32` cannot hold included) or the requests
+    need more rows than `values` has.
 
     **Example:**
 
@@ -61,6 +70,7 @@ def from_token_major(
     ```
     """
     values = jnp.asarray(values)
+    num_draft = _size(num_draft, "num_draft")
     lengths, starts = _checked_layout(num_draft_tokens, num_draft, bonus)
     positions = num_draft + int(bonus)
     used = jnp.arange(positions)[None, :] < lengths[:, None]
@@ -70,8 +80,10 @@ def from_token_major(
         "num_draft_tokens needs more rows than values has",
     )
     if values.shape[0] == 0:
-        shape = (lengths.shape[0], positions, *values.shape[1:])
-        return jnp.full(shape, fill, values.dtype)
+        # Nothing to read: one row of `fill` stands in for the gather, which keeps
+        # the checks on the lengths in the program (under `jit` a check whose
+        # output is unused is dropped).
+        values = jnp.full((1, *values.shape[1:]), fill, values.dtype)
     index = jnp.where(used, starts[:, None] + jnp.arange(positions)[None, :], 0)
     used = used.reshape(used.shape + (1,) * (values.ndim - 1))
     return jnp.where(used, values[index], jnp.asarray(fill, values.dtype))
@@ -79,9 +91,9 @@ def from_token_major(
 
 def to_token_major(
     padded: Shaped[Array, "batch positions *rest"],
-    num_draft_tokens: ArrayLike,
+    num_draft_tokens: InputArray,
     *,
-    num_tokens: int,
+    num_tokens: SupportsIndex,
     bonus: bool = False,
     fill: int | float = 0,
 ) -> Shaped[Array, "tokens *rest"]:
@@ -91,8 +103,10 @@ def to_token_major(
 
     **Arguments:**
 
-    - `padded`: shape `(B, G, *rest)`, or `(B, G + 1, *rest)` with `bonus`.
-    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, G]`.
+    - `padded`: shape `(B, G, *rest)`, or `(B, G + 1, *rest)` with `bonus`;
+        $G = 0$ is valid.
+    - `num_draft_tokens`: integer `(B,)`, $g_b$, each in `[0, G]`, in any integer
+        dtype, read by value.
     - `num_tokens`: keyword only, the number of rows of the output, at least the
         total used (a static size, as engines' buffers are).
     - `bonus`: keyword only, as for [`speculax.from_token_major`][].
@@ -104,8 +118,10 @@ def to_token_major(
 
     **Raises:**
 
-    An Equinox runtime error (a `RuntimeError`) when a length lies outside `[0, G]`
-    or the rows used number more than `num_tokens`.
+    `TypeError` for lengths or a `num_tokens` that are not integers; `ValueError`
+    for lengths not of shape `(B,)`, a negative `num_tokens` or a `padded` without
+    its positions; an Equinox runtime error (a `RuntimeError`) when a length lies
+    outside `[0, G]` or the rows used number more than `num_tokens`.
 
     **Example:**
 
@@ -119,6 +135,12 @@ def to_token_major(
     ```
     """
     padded = jnp.asarray(padded)
+    num_tokens = _size(num_tokens, "num_tokens")
+    if padded.ndim < 2 or padded.shape[1] < int(bonus):
+        raise ValueError(
+            f"padded must have shape (B, G{' + 1' if bonus else ''}, ...); got shape "
+            f"{tuple(padded.shape)}"
+        )
     batch, positions = padded.shape[:2]
     lengths, starts = _checked_layout(num_draft_tokens, positions - int(bonus), bonus)
     flat = jnp.arange(num_tokens)
@@ -129,7 +151,13 @@ def to_token_major(
         "num_draft_tokens needs more rows than num_tokens",
     )
     if batch == 0:
+        # No lengths, so no check can fail.
         return jnp.full((num_tokens, *padded.shape[2:]), fill, padded.dtype)
+    if positions == 0:
+        # G = 0 without the bonus row: every length is 0, so nothing is read, but a
+        # gather needs a position; one of `fill` stands in, keeping the checks.
+        padded = jnp.full((batch, 1, *padded.shape[2:]), fill, padded.dtype)
+        positions = 1
     # The request each flat row belongs to: the number of requests ending at or
     # before it.
     request = jnp.minimum(
@@ -141,20 +169,28 @@ def to_token_major(
 
 
 def _checked_layout(
-    num_draft_tokens: ArrayLike, num_draft: int, bonus: bool
+    num_draft_tokens: InputArray, num_draft: int, bonus: bool
 ) -> tuple[Int[Array, " batch"], Int[Array, " batch"]]:
     """Each request's number of rows and the index of its first, after checking the
-    lengths lie in `[0, num_draft]`."""
-    lengths = jnp.asarray(num_draft_tokens)
-    if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    lengths lie in `[0, num_draft]`, read by value in any integer dtype (a length
+    `int32` cannot hold is out of range, never wrapped)."""
+    lengths = integer_input(num_draft_tokens, "num_draft_tokens")
+    if lengths.ndim != 1:
         raise ValueError(
-            f"num_draft_tokens must be an integer array of shape (B,); got "
-            f"{lengths.dtype} of shape {tuple(lengths.shape)}"
+            f"num_draft_tokens must have shape (B,); got shape {tuple(lengths.shape)}"
         )
     lengths = eqx.error_if(
         lengths,
         (lengths < 0) | (lengths > num_draft),
         f"num_draft_tokens must lie in [0, {num_draft}]; got a length outside it",
     )
-    rows = lengths.astype(jnp.int32) + int(bonus)
+    rows = lengths + int(bonus)
     return rows, jnp.cumsum(rows) - rows
+
+
+def _size(value: SupportsIndex, name: str) -> int:
+    """A static size, a non-negative integer by value."""
+    size = static_integer(value, name)
+    if size < 0:
+        raise ValueError(f"{name} must be non-negative; got {size}")
+    return size

@@ -3,12 +3,18 @@
 runs."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jaxtyping import Int
 
+from ._numerics import host_integers, is_integer_array, static_integer
+from ._step import InputArray
 
-def parents_from_paths(paths: Sequence[Sequence[int]]) -> Int[np.ndarray, " nodes"]:
+
+def parents_from_paths(
+    paths: Sequence[Sequence[Any]],
+) -> Int[np.ndarray, " nodes"]:
     """The `parents` of a tree given as vLLM's `speculative_token_tree`: one path of
     child ranks per draft node, e.g. `[(0,), (1,), (0, 0), (0, 1)]` for two children
     of the root and two of its first child.
@@ -19,7 +25,8 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> Int[np.ndarray, " node
 
     **Arguments:**
 
-    - `paths`: a sequence of $N$ non-empty sequences of non-negative ints.
+    - `paths`: a sequence of $N$ non-empty sequences of non-negative integers
+        (Python or NumPy ints, read by value).
 
     **Returns:**
 
@@ -27,8 +34,9 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> Int[np.ndarray, " node
 
     **Raises:**
 
-    `ValueError` for an empty, repeated or negative path, a path before its parent,
-    or siblings out of rank order.
+    `TypeError` for a rank that is not an integer (a float or a bool); `ValueError`
+    for an empty, repeated or negative path, a path before its parent, or siblings
+    out of rank order.
 
     **Example:**
 
@@ -42,7 +50,11 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> Int[np.ndarray, " node
     node_of: dict[tuple[int, ...], int] = {(): 0}
     last_rank: dict[tuple[int, ...], int] = {}
     parents = []
-    for j, path in enumerate(map(tuple, paths), start=1):
+    for j, given in enumerate(paths, start=1):
+        # By value, never truncated: a rank of 1.5 is not rank 1.
+        path = tuple(
+            static_integer(rank, f"paths[{j - 1}][{k}]") for k, rank in enumerate(given)
+        )
         if not path or min(path) < 0:
             raise ValueError(
                 f"paths[{j - 1}] must be non-empty and non-negative: {path}"
@@ -65,9 +77,8 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> Int[np.ndarray, " node
 
 
 def tree_from_linked_lists(
-    next_token: Int[np.ndarray, "batch positions"],
-    next_sibling: Int[np.ndarray, "batch positions"],
-) -> tuple[Int[np.ndarray, "batch positions-1"], Int[np.ndarray, "batch positions"]]:
+    next_token: InputArray, next_sibling: InputArray
+) -> tuple[Int[np.ndarray, "batch nodes"], Int[np.ndarray, "batch nodes+1"]]:
     """The `parents` of trees given as SGLang's and TensorRT-LLM's first-child /
     next-sibling arrays (`retrive_next_token`, `retrive_next_sibling`), with the order
     to put each row's nodes in.
@@ -85,7 +96,8 @@ def tree_from_linked_lists(
 
     **Arguments:**
 
-    - `next_token`, `next_sibling`: integer `(B, M)`, $M = N + 1$ positions.
+    - `next_token`, `next_sibling`: integer `(B, M)`, $M = N + 1$ positions, any
+        integer dtype (NumPy or JAX arrays, or nested lists), read by value.
 
     **Returns:**
 
@@ -93,9 +105,10 @@ def tree_from_linked_lists(
 
     **Raises:**
 
-    `ValueError` for shapes that disagree, no positions at all, an index outside
-    `[-1, M)`, a position reached twice (a cycle or a shared child), the root as a
-    child, or a sibling of the root.
+    `TypeError` for arrays that are not integers (floats, bools); `ValueError` for
+    shapes that disagree, no positions at all, an index outside `[-1, M)`, a
+    position reached twice (a cycle or a shared child), the root as a child, or a
+    sibling of the root.
 
     **Example:**
 
@@ -111,8 +124,8 @@ def tree_from_linked_lists(
     assert order.tolist() == [[0, 1, 4, 3, 2]]
     ```
     """
-    next_token = np.asarray(next_token)
-    next_sibling = np.asarray(next_sibling)
+    next_token = _links(next_token, "next_token")
+    next_sibling = _links(next_sibling, "next_sibling")
     if next_token.ndim != 2 or next_token.shape != next_sibling.shape:
         raise ValueError(
             "next_token and next_sibling must have the same shape (B, M); got "
@@ -124,12 +137,18 @@ def tree_from_linked_lists(
             "next_token must hold the root at position 0; got no positions"
         )
     for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
-        outside = (links < -1) | (links >= positions)
+        # Compared by value, in the dtype given (exactly, for Python ints).
+        outside = ((links < -1) | (links >= positions)).astype(bool)
         if np.any(outside):
             b, i = np.argwhere(outside)[0]
             raise ValueError(
                 f"{name} must lie in [-1, {positions}); got {links[b, i]} at [{b}, {i}]"
             )
+    # In range, so int64 holds them (Python ints beyond 64 bits are refused above).
+    next_token, next_sibling = (
+        next_token.astype(np.int64),
+        next_sibling.astype(np.int64),
+    )
     if np.any(next_sibling[:, 0] != -1):
         raise ValueError("next_sibling must be -1 at position 0: the root has none")
     parents = np.full((batch, positions - 1), -1, np.int32)
@@ -154,6 +173,16 @@ def tree_from_linked_lists(
             stack.extend((child, position) for child in reversed(children))
         order[b, : len(numbered)] = numbered
     return parents, order
+
+
+def _links(x: InputArray, name: str) -> np.ndarray:
+    """One of the linked lists as a NumPy array of its integers, exactly
+    (`host_integers`); a `TypeError` naming it for floats or bools, which
+    positions never are."""
+    links = host_integers(x)
+    if not is_integer_array(links):
+        raise TypeError(f"{name} must have an integer dtype; got {links.dtype}")
+    return links
 
 
 def _children(

@@ -1,20 +1,24 @@
 """Each request's sampling parameters: temperature, top-$k$ and top-$p$, as arrays of
 one value per row, checked."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._failures import RESULTS, Failure
+from .._numerics import integer_input
 
 
 class SamplingParameters(eqx.Module):
     """The sampling parameters of each row, as arrays of shape `(batch,)`.
 
-    - `temperature`: divides the logits; `0` means greedy for that row.
+    - `temperature`: divides the logits, finite; `0` means greedy for that row.
     - `top_k`: the number of largest logits kept; `0` (or at least $V$) keeps all.
+        Read by value in any integer dtype: a count `int32` cannot hold is its
+        largest value, which keeps all too.
     - `top_p`: the probability mass kept; `1` keeps all.
     """
 
@@ -25,7 +29,10 @@ class SamplingParameters(eqx.Module):
     def failures(self) -> list[Failure]:
         """The run-time checks of the values, in the order they are reported."""
         return [
-            (~(self.temperature >= 0), RESULTS.temperature_out_of_range),
+            (
+                ~((self.temperature >= 0) & jnp.isfinite(self.temperature)),
+                RESULTS.temperature_out_of_range,
+            ),
             (self.top_k < 0, RESULTS.top_k_out_of_range),
             (~((self.top_p > 0) & (self.top_p <= 1)), RESULTS.top_p_out_of_range),
         ]
@@ -44,39 +51,40 @@ def sampling_parameters(
 ) -> SamplingParameters:
     """The parameters as arrays of shape `(batch,)`, each given as a Python number, a
     scalar or an array of shape `(batch,)`; `None` keeps all tokens. A Python number
-    out of range raises `ValueError` now, naming it; an array's values are checked at
-    run time (`SamplingParameters.failures`).
+    out of range raises `ValueError` now, naming it, and a float or bool `top_k` a
+    `TypeError`; an array's values are checked at run time
+    (`SamplingParameters.failures`).
     """
-    if isinstance(temperature, int | float) and not temperature >= 0:
-        raise ValueError(f"temperature must be non-negative; got {temperature}")
+    if isinstance(temperature, int | float) and not 0 <= temperature < math.inf:
+        raise ValueError(
+            f"temperature must be finite and non-negative; got {temperature}"
+        )
     if isinstance(top_k, int) and top_k < 0:
         raise ValueError(f"top_k must be non-negative (0 keeps all); got {top_k}")
     if isinstance(top_p, int | float) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1]; got {top_p}")
-    if top_k is not None and not isinstance(top_k, Array):
-        # A count above what int32 holds keeps every token: clipped, never wrapped.
-        limits = np.iinfo(np.int32)
-        top_k = np.clip(np.asarray(top_k), limits.min, limits.max)
     values = {
-        "temperature": (temperature, dtype, jnp.floating),
-        "top_k": (0 if top_k is None else top_k, jnp.int32, jnp.integer),
-        "top_p": (1.0 if top_p is None else top_p, dtype, jnp.floating),
+        "temperature": temperature,
+        # By value in every integer dtype: a count above what int32 holds keeps
+        # every token, so it saturates, never wraps (to a negative or small count).
+        "top_k": integer_input(0 if top_k is None else top_k, "top_k", None),
+        "top_p": 1.0 if top_p is None else top_p,
     }
     arrays = {}
-    for name, (value, want, kind) in values.items():
+    for name, value in values.items():
         array = jnp.asarray(value)
-        # A Python int may stand for a float (temperature=1, top_p=1), not the reverse.
-        python_number = int if kind is jnp.integer else int | float
-        if not isinstance(value, python_number) and not jnp.issubdtype(
-            array.dtype, kind
-        ):
-            kind_name = "an integer" if kind is jnp.integer else "a floating-point"
-            raise TypeError(f"{name} must have {kind_name} dtype; got {array.dtype}")
+        # A Python int may stand for a float (temperature=1, top_p=1).
+        floats = name != "top_k" and not isinstance(value, int | float)
+        if floats and not jnp.issubdtype(array.dtype, jnp.floating):
+            raise TypeError(
+                f"{name} must have a floating-point dtype; got {array.dtype}"
+            )
         if array.shape not in ((), (batch,)):
             raise ValueError(
                 f"{name} must be a scalar or have shape (B,) = ({batch},), one value "
                 f"per row; got shape {tuple(array.shape)}"
             )
+        want = jnp.int32 if name == "top_k" else dtype
         arrays[name] = jnp.broadcast_to(array.astype(want), (batch,))
     arrays["temperature"] = _without_subnormals(arrays["temperature"])
     arrays["top_p"] = _without_subnormals(arrays["top_p"])

@@ -44,12 +44,14 @@ def probs_from_logits(
     every mix of parameters.
 
     - `logits`: unnormalised log-probabilities, shape `(..., V)`.
-    - `temperature`: divides the logits; `0` means greedy, a one-hot of the argmax
-        (ties go to the smallest token id). As it tends to 0 the distribution tends
-        to the uniform one over the largest logits, and so it is at every positive
-        temperature too small to tell them apart.
+    - `temperature`: divides the logits, finite and non-negative; `0` means
+        greedy, a one-hot of the argmax (ties go to the smallest token id). As it
+        tends to 0 the distribution tends to the uniform one over the largest logits,
+        and so it is at every positive temperature too small to tell them apart;
+        `inf` is refused rather than read as the uniform limit.
     - `top_k`: keep the `top_k` largest logits (and any tied with the smallest of
-        them); `None`, `0` or at least $V$ keeps all.
+        them); `None`, `0` or at least $V$ keeps all. Any integer dtype, read by
+        value: a count beyond what `int32` holds keeps all.
     - `top_p`: keep the smallest set of most likely tokens whose probability sums to
         at least `top_p`, in `(0, 1]` (and any tied with the least likely of them);
         `None` or `1` keeps all.
@@ -60,9 +62,11 @@ def probs_from_logits(
 
     **Raises:**
 
-    `ValueError` for a Python number out of range (a negative temperature or
-    `top_k`, a `top_p` outside `(0, 1]`) or a parameter of the wrong shape; for
-    arrays, an Equinox runtime error (a `RuntimeError`) naming the parameter.
+    `ValueError` for a Python number out of range (a negative or infinite
+    temperature, a negative `top_k`, a `top_p` outside `(0, 1]`) or a parameter of
+    the wrong shape; `TypeError` for a parameter of the wrong dtype (a float or
+    bool `top_k`); for arrays, an Equinox runtime error (a `RuntimeError`) naming
+    the parameter.
     """
     logits = jnp.asarray(logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:

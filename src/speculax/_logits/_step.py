@@ -138,10 +138,11 @@ class LogitsStep(eqx.Module):
             `[0, 1)`; may be omitted when `key` is given.
         - `temperature`, `top_k`, `top_p`: keyword only, each a Python number, a
             scalar or an array of shape `(B,)`, one value per row, which may be
-            traced: one compilation serves every mix. `temperature` $\\ge 0$, `0`
-            meaning greedy (default `1`); `top_k` $\\ge 0$, `0` or at least $V$
-            keeping all (`None`, the default, is `0`); `top_p` in `(0, 1]`, `1`
-            keeping all (`None`, the default, is `1`).
+            traced: one compilation serves every mix. `temperature` finite and
+            $\\ge 0$, `0` meaning greedy (default `1`); `top_k` $\\ge 0$ in any
+            integer dtype, `0` or at least $V$ keeping all (`None`, the default, is
+            `0`); `top_p` in `(0, 1]`, `1` keeping all (`None`, the default, is
+            `1`).
         - `key`: keyword only, a PRNG key (one, or one per row) to draw the uniforms
             from with [`speculax.uniforms`][].
         - `num_draft_tokens`: keyword only, integer `(B,)` in `[0, G]`, for a ragged
@@ -283,7 +284,7 @@ class LogitsStep(eqx.Module):
                     vocab,
                 ),
                 *parameters.failures(),
-                *_logits_failures(length, parameters, target, draft),
+                *_logits_failures(length, num_accepted, parameters, target, draft),
                 *row_failures,
                 sampled_failure(drawn, vocab),
             ]
@@ -418,20 +419,32 @@ def _probability_rows(
 
 def _logits_failures(
     length: Int[Array, " batch"],
+    num_accepted: Int[Array, " batch"],
     parameters: SamplingParameters,
     target: RowStatistics,
     draft: RowStatistics | None,
 ) -> list[Failure]:
-    """NaN, $+\\infty$ or no finite value in the rows the step reads: the target's
-    positions up to each row's length, the draft's below it (sampled rows only)."""
-    positions = target.maximum.shape[1]
-    target_read = jnp.arange(positions)[None, :] <= length[:, None]
+    """NaN, $+\\infty$ or no finite value in the rows the step reads, as the
+    probability step reads its rows: NaN or $+\\infty$ in the target's positions
+    below each row's length (each draft's test reads $p_i(x_i)$, which a bad value
+    anywhere in the row spoils) and at the stopping position $n$; no finite value at
+    the positions up to $n$ (the rows the drafts passed in, and the one drawn from).
+    The row at the row's length, $p_{g_b}$, is read only when $n = g_b$, and a row
+    past $n$ without a finite value gives its draft probability 0, as an all-zero
+    row of probabilities does. The draft's positions below the length are read
+    (sampled rows only)."""
+    positions = jnp.arange(target.maximum.shape[1])[None, :]
+    stop = num_accepted[:, None]
+    target_read = (positions < length[:, None]) | (positions == stop)
     bad = [(jnp.any(target.bad & target_read, axis=1), RESULTS.bad_target_logits)]
     empty = [
-        (jnp.any(target.empty & target_read, axis=1), RESULTS.no_finite_target_logit)
+        (
+            jnp.any(target.empty & (positions <= stop), axis=1),
+            RESULTS.no_finite_target_logit,
+        )
     ]
     if draft is not None:
-        draft_read = (jnp.arange(positions - 1)[None, :] < length[:, None]) & (
+        draft_read = (positions[:, :-1] < length[:, None]) & (
             ~parameters.greedy[:, None]
         )
         bad.append((jnp.any(draft.bad & draft_read, axis=1), RESULTS.bad_draft_logits))

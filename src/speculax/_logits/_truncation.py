@@ -67,15 +67,19 @@ def scaled_logits(
     maximum: Float[Array, "..."],
     temperature: Float[Array, "..."],
 ) -> Float[Array, "..."]:
-    """$s = (\\ell - m) / T$, exactly $0$ where $\\ell = m$ (and never $-0$ or
-    subnormal), in the arithmetic dtype; $T = 0$ (greedy) is read as 1. Arguments
-    broadcast."""
+    """$s = (\\ell - m) / T$, exactly $0$ where $\\ell = m$ and $-\\infty$ where
+    $\\ell = -\\infty$ (and never $-0$ or subnormal), in the arithmetic dtype; $T = 0$
+    (greedy) is read as 1. Arguments broadcast."""
     shifted = logits.astype(maximum.dtype) - maximum
     divisor = jnp.where(temperature > 0, temperature, 1).astype(maximum.dtype)
+    # XLA CPU divides by multiplying with the reciprocal, which is subnormal, so
+    # zero, for a temperature above 1 / smallest normal (8.5e37 in float32): a -inf
+    # logit would become -inf * 0 = NaN rather than keep its probability 0.
+    scaled = jnp.where(shifted == -jnp.inf, -jnp.inf, shifted / divisor)
     # Subnormal values flushed to zero, as XLA CPU compares them, and +0 added to
     # turn -0 into +0: the integer keys of the values then order them as every
     # comparison does.
-    return flush_subnormal(jnp.where(shifted == 0, 0, shifted / divisor)) + 0
+    return flush_subnormal(jnp.where(shifted == 0, 0, scaled)) + 0
 
 
 def probability(
