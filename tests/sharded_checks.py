@@ -229,9 +229,22 @@ def same(got: tuple, want: tuple) -> bool:
     return equal and bool(np.all(got_result == want_result))
 
 
-def check_variants(devices: np.ndarray) -> dict:
+# The default test tier's subset (`--quick`): the plain step, per-row codes and
+# block verification, on a mesh that splits both the batch and the vocabulary.
+QUICK_VARIANTS = ("default", "throw=False", "block")
+QUICK_MESHES = ("2x4",)
+
+
+def check_variants(devices: np.ndarray, quick: bool) -> dict:
     found: dict = {}
+    meshes = {
+        name: shape
+        for name, shape in MESHES.items()
+        if not quick or name in QUICK_MESHES
+    }
     for name, (step, args) in variants().items():
+        if quick and name not in QUICK_VARIANTS:
+            continue
         reference = jax.jit(step.with_result)(**args)
         found[name] = {"rows": reference[0]["num_accepted"].tolist()}
         if name == "throw=False":
@@ -246,7 +259,7 @@ def check_variants(devices: np.ndarray) -> dict:
                 ).tolist()
                 for kind in BAD_ROWS.values()
             }
-        for mesh_name, shape in MESHES.items():
+        for mesh_name, shape in meshes.items():
             mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
             f = speculax.sharded_step(
                 on_axis(step, "vocab"),
@@ -275,7 +288,7 @@ def raised(f, **args) -> str | None:
 
 def main() -> None:
     devices = np.array(jax.devices())
-    result: dict = {"variants": check_variants(devices)}
+    result: dict = {"variants": check_variants(devices, "--quick" in sys.argv)}
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
     f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)

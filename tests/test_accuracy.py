@@ -89,6 +89,7 @@ def _steps():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["flat", "peaked"])
 @pytest.mark.parametrize("path", ["fast", "generic"])
 @pytest.mark.parametrize("num_draft", [0, 1])
@@ -130,6 +131,7 @@ def test_cumulative_sums_at_262144(shape, path, num_draft, row_access):
     assert failures == []
 
 
+@pytest.mark.slow
 def test_realistic_batch_at_128256(row_access):
     size = Size(64, 5, 128256)
     inputs = make_inputs(size, seed=1)

@@ -413,6 +413,15 @@ def _inputs(case: Case) -> Inputs:
     return inputs
 
 
+# Eager and vmapped runs of the table are the extended tier: jitted, it covers every
+# case in the default run.
+MODES = [
+    pytest.param("eager", marks=pytest.mark.slow),
+    "jit",
+    pytest.param("vmap", marks=pytest.mark.slow),
+]
+
+
 @functools.cache
 def _runner(mode: str, throw: bool = True):
     """The step eagerly, jitted, or vmapped over two copies of the inputs (which
@@ -449,7 +458,7 @@ def test_the_table_is_long_enough():
     assert len({case.name for case in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_bad_input(case, mode):
     inputs = _inputs(case)
@@ -464,7 +473,7 @@ def test_bad_input(case, mode):
 RUNTIME_CASES = [case for case in CASES if case.error is RuntimeError]
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", RUNTIME_CASES, ids=lambda case: case.name)
 def test_throw_false_reports_each_row(case, mode):
     """Every failure kind, as a per-row code instead of an error: a failed row gets
@@ -538,6 +547,7 @@ def test_float64_under_x64_is_valid():
         assert judge(inputs, out) == []
 
 
+@pytest.mark.slow
 def test_full_scan_catches_what_the_cheap_checks_do_not_read():
     import speculax
 
@@ -618,6 +628,7 @@ def test_every_integer_dtype_is_read_by_value(dtype, x64):
                 np.testing.assert_array_equal(got[name], want[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @pytest.mark.parametrize(
     "dtype, value",
@@ -845,10 +856,9 @@ def _containers(dtype: str, entry: str, value: int):
     return ["numpy", "jax"] if with_jax else ["numpy"]
 
 
-# Each mode compiles every entry point once (half a minute): x64 in the slow tier.
-@pytest.mark.parametrize(
-    "x64", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["x32", "x64"]
-)
+# Each mode compiles every entry point once (half a minute): the extended tier.
+@pytest.mark.slow
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(
     entry_name=st.sampled_from(INTEGER_ENTRIES),

@@ -171,6 +171,7 @@ def _assert_invariant_at_boundaries(step, vocab, dtype):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [512, 1000])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_row_alone_equals_row_in_batch_at_cumulative_sum_boundaries(

@@ -27,6 +27,7 @@ from speculax._bench import (
 )
 
 
+@pytest.mark.slow
 def test_bench_command_runs_on_tiny_sizes(capsys):
     from speculax._cli import main
 
@@ -116,6 +117,7 @@ def test_floor_reads_the_arrays_it_is_given():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_the_variants_baselines_agree_with_their_steps(seed):
     """The deterministic row's baseline is the step with one-hot draft_probs; the
@@ -138,6 +140,7 @@ def test_the_variants_baselines_agree_with_their_steps(seed):
         np.testing.assert_array_equal(deterministic[name], explicit[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["logits", "truncated"])
 def test_the_logits_baseline_agrees_with_the_logits_step(variant):
     """Verifying from logits and through probs_from_logits give one answer: the

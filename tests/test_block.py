@@ -146,6 +146,7 @@ def test_row_alone_equals_row_in_batch():
             np.testing.assert_array_equal(alone[name][0], batched[name][b])
 
 
+@pytest.mark.slow
 def test_a_ragged_row_is_the_row_alone_with_its_own_draft_length():
     inputs = close_drafts(2, 8, 4, 300)
     lengths = np.array([0, 1, 2, 3, 4, 2, 1, 3])
@@ -173,6 +174,7 @@ def test_a_ragged_row_is_the_row_alone_with_its_own_draft_length():
         )
 
 
+@pytest.mark.slow
 def test_the_fused_draw_is_the_residual_then_the_sampler():
     """`block_step` draws from BlockResidual's weights through the fused summary;
     the same residual behind a piece the step does not know runs the generic

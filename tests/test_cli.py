@@ -98,6 +98,7 @@ def test_demo_matches_every_worked_example(capsys):
     assert "all worked examples match" in out
 
 
+@pytest.mark.slow
 def test_demo_loop_reports_each_number_of_drafts(capsys):
     status, out, err = _main(
         [

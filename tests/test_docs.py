@@ -87,7 +87,19 @@ def test_fence_parser():
     ]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+# The pages whose code takes longest (a loop, logits at scale, the guide's tour) run
+# in the extended tier.
+SLOW_PAGES = {"loop.md", "from_logits.md", "guide.md", "performance.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=pytest.mark.slow) if page.name in SLOW_PAGES else page
+        for page in PAGES
+    ],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_page_code_runs(page: Path):
     if not page.exists():
         pytest.skip(f"{page.name} does not exist")
@@ -118,6 +130,7 @@ def _public_objects() -> list[tuple[str, object]]:
     return found
 
 
+@pytest.mark.slow
 def test_docstring_code_runs():
     ran = 0
     for qualified_name, obj in _public_objects():

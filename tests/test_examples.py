@@ -117,6 +117,7 @@ def test_module_eager_and_under_jit(inputs, expected):
     _check_output(eqx.filter_jit(step)(**arrays), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inputs, expected", WORKED_EXAMPLES)
 def test_vmap_over_an_extra_leading_axis(inputs, expected):
     import speculax
@@ -128,6 +129,7 @@ def test_vmap_over_an_extra_leading_axis(inputs, expected):
         _check_output(jax.tree.map(lambda x, c=copy: x[c], out), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inputs, expected", WORKED_EXAMPLES)
 def test_each_example_in_float64_under_x64(inputs, expected):
     import speculax

@@ -127,6 +127,7 @@ def _run(step, batch: dict) -> dict:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ragged", [False, True], ids=["full", "ragged"])
 @pytest.mark.parametrize("drafting", ["sampled", "deterministic"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -253,6 +254,7 @@ def test_greedy_rows_do_not_read_the_draft_logits():
     assert again["tokens"].tolist() == out["tokens"].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_draft", [0, 2])
 def test_edges_of_the_shapes(num_draft):
     """No draft positions: the bonus token from p_0; an empty batch: empty outputs."""
@@ -304,6 +306,7 @@ def test_truncation_without_sorting_is_truncation_by_sorting(seed):
     _assert_truncation_by_sorting(logits, parameters)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spread", [0.3, 3.0], ids=["flat", "peaked"])
 def test_the_searches_read_few_groups_or_the_whole_row_alike(spread):
     """At V = 10240 (640 groups of 16 tokens): rows whose kept tokens lie in a few
@@ -323,6 +326,7 @@ def test_the_searches_read_few_groups_or_the_whole_row_alike(spread):
     _assert_truncation_by_sorting(logits, parameters)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [32, 64, 256, 2048])
 def test_the_last_group_is_read_once(vocab):
     """The top tokens in the last group of 16, the case where empty slots of the
@@ -343,6 +347,7 @@ def test_the_last_group_is_read_once(vocab):
     np.testing.assert_allclose(np.asarray(probs).sum(-1), 1, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_under_x64():
     """Float32 and float64 logits, under x64: the same answers as the probability
     path, and float64 parameters for float64 logits."""
@@ -519,6 +524,7 @@ def test_logits_the_step_does_not_read_may_hold_anything():
     assert again["tokens"].tolist() == out["tokens"].tolist()
 
 
+@pytest.mark.slow
 def test_a_row_the_step_never_draws_from_may_hold_no_finite_logit():
     """The bonus row p_G all -inf, or NaN, where a draft fails before G: the step
     never reads it, as the probability step never reads the all-zero (or NaN) p_G
@@ -544,6 +550,7 @@ def test_a_row_the_step_never_draws_from_may_hold_no_finite_logit():
         )
 
 
+@pytest.mark.slow
 def test_the_largest_finite_temperature_is_uniform_over_the_finite_logits():
     """The limit an infinite temperature (refused) would have, reached by every
     finite one too large to tell the logits apart: masked (-inf) tokens keep
@@ -565,6 +572,7 @@ def test_the_largest_finite_temperature_is_uniform_over_the_finite_logits():
     assert out["tokens"].tolist() == expected["tokens"].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_a_top_k_int32_cannot_hold_keeps_all_in_both_entry_points(x64):
     """Read by value: a JAX uint32 or int64 count beyond int32 keeps every token,
@@ -647,6 +655,7 @@ def test_logits_of_the_wrong_structure_are_named():
 # --- Memory ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_no_probability_array_is_made(dtype):
     """Compiled from shapes alone at a real vocabulary, the parameters traced (one
@@ -718,6 +727,7 @@ def _first_token_statistic(out, target_probs) -> float:
     return float(np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept]))
 
 
+@pytest.mark.slow
 def test_the_jitted_step_samples_the_truncated_target():
     """Chi-square of the first output token against p_0 under the parameters; the
     drafts drawn from the truncated drafts, as they must be."""
@@ -733,6 +743,7 @@ def test_the_jitted_step_samples_the_truncated_target():
     assert np.asarray(out["num_accepted"]).mean() > 0.3
 
 
+@pytest.mark.slow
 def test_drafting_from_the_untruncated_softmax_is_caught():
     """The negative control, and the bug the docs warn about: drafts sampled at the
     temperature alone, verified against truncated drafts."""
@@ -746,6 +757,7 @@ def test_drafting_from_the_untruncated_softmax_is_caught():
     assert chi_square_sf(_first_token_statistic(out, target_probs), kept - 1) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_probabilities_from_logits_compose_losslessly(seed):
     """Exactly: drafts from the truncated q, the default step, the truncated p."""
@@ -765,6 +777,7 @@ def test_probabilities_from_logits_compose_losslessly(seed):
 # --- The token-major layout ----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bonus", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_token_major_round_trip_with_empty_requests(bonus, seed):

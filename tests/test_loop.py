@@ -78,6 +78,7 @@ def float64_softmax(logits: np.ndarray) -> np.ndarray:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
+SLOW = pytest.mark.slow
 HALF_PRECISION = pytest.mark.parametrize(
     "dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"]
 )
@@ -104,11 +105,12 @@ class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
 @pytest.mark.parametrize(
     ("vocab", "context", "num_draft", "max_new_tokens", "end_token", "step"),
     [
-        (3, 2, 2, 5, None, speculax.SpeculativeStep()),
+        # The longest enumerations are the extended tier.
+        pytest.param(3, 2, 2, 5, None, speculax.SpeculativeStep(), marks=SLOW),
         (3, 1, 2, 6, 2, speculax.SpeculativeStep()),
-        (4, 1, 2, 4, 1, speculax.SpeculativeStep()),
+        pytest.param(4, 1, 2, 4, 1, speculax.SpeculativeStep(), marks=SLOW),
         (3, 1, 3, 4, 1, speculax.SpeculativeStep()),
-        (5, 1, 1, 4, None, speculax.SpeculativeStep()),
+        pytest.param(5, 1, 1, 4, None, speculax.SpeculativeStep(), marks=SLOW),
         (3, 2, 0, 4, None, speculax.SpeculativeStep()),
         (3, 1, 2, 5, 0, speculax.block_step()),
     ],
@@ -150,6 +152,7 @@ def test_loop_is_lossless_exactly_with_half_precision_logits(dtype):
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1, 0]) < 1e-12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "keys", [ReusedAcrossSteps(), DraftNoiseIsAcceptNoise()], ids=["steps", "streams"]
 )
@@ -182,6 +185,7 @@ class ReversedInverseCDF(speculax.AbstractSampler):
         return speculax.InverseCDF()(weights, jnp.nextafter(1.0, 0.0) - sample_uniforms)
 
 
+@pytest.mark.slow
 def test_exact_test_handles_a_sampler_in_another_order():
     # The enumeration finds the cells of s from the sampler itself, wherever they
     # lie; samplers it cannot evaluate are in tests/test_testing.py.
@@ -194,6 +198,7 @@ def test_exact_test_handles_a_sampler_in_another_order():
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1, 0]) < 1e-12
 
 
+@pytest.mark.slow
 def test_greedy_loop_is_greedy_decoding():
     draft, target = markov_pair(4, 1, seed=3)
     loop = speculax.SpeculativeLoop(
@@ -353,6 +358,7 @@ def test_rows_finish_at_different_steps():
     assert (num_tokens < 12).any() and (num_tokens == 12).any()
 
 
+@pytest.mark.slow
 def test_row_is_batch_invariant_bit_for_bit():
     draft, target = markov_pair(5, 2, seed=4)
     loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=10, end_token=0)
@@ -573,6 +579,7 @@ def _fuzz_loop() -> tuple:
     return draft, target, speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(
     dtype=st.sampled_from(INTEGER_DTYPES),

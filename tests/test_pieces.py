@@ -138,6 +138,7 @@ def test_inverse_cdf_near_one_never_runs_off_the_end(block_size, trailing_zeros)
     assert token.tolist() == [999]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 2, 5, 7, 64])
 def test_inverse_cdf_block_size_does_not_change_the_answer(block_size):
     import speculax

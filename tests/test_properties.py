@@ -96,6 +96,7 @@ def test_half_precision_inputs_are_judged_on_their_own_values(dtype, style):
     assert judge(as_given, out) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["peaked", "flat", "equal"])
 def test_float64_under_x64_is_judged_and_computed_in_float64(style):
     import jax.numpy as jnp
@@ -171,6 +172,7 @@ def _block_edge_uniforms(rng, inputs):
     return np.minimum(s.astype(np.float32), np.nextafter(np.float32(1), 0))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=120)
 @hypothesis.given(
     shape=st.sampled_from(FUZZ_SHAPES),

@@ -35,11 +35,10 @@ VARIANTS = [
 INSPECTED = ["default", "greedy", "typical", "check_all_probs", "block"]
 
 
-@pytest.fixture(scope="module")
-def result() -> dict:
+def _checks(*options: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     done = subprocess.run(
-        [sys.executable, str(HERE / "sharded_checks.py")],
+        [sys.executable, str(HERE / "sharded_checks.py"), *options],
         env=env,
         capture_output=True,
         text=True,
@@ -49,10 +48,41 @@ def result() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def result() -> dict:
+    """Every variant on every mesh: the extended tier."""
+    return _checks()
+
+
+@pytest.fixture(scope="module")
+def quick() -> dict:
+    """Three variants on the 2 x 4 mesh, and the other checks: the default tier."""
+    return _checks("--quick")
+
+
+QUICK_VARIANTS = ["default", "throw=False", "block"]
+
+
+@pytest.mark.parametrize("variant", QUICK_VARIANTS)
+def test_identical_to_single_device_on_a_mesh_of_both_axes(quick, variant):
+    """Tokens, counts and per-row result codes, bit for bit, on the 2 x 4 mesh."""
+    assert list(quick["variants"]) == QUICK_VARIANTS
+    assert quick["variants"][variant]["2x4"]["identical"]
+
+
+@pytest.mark.parametrize("variant", ["default", "block"])
+def test_no_vocabulary_sized_collective_on_a_mesh_of_both_axes(quick, variant):
+    entry = quick["variants"][variant]["2x4"]
+    assert entry["large_collectives"] == []
+    assert entry["collectives"] >= 3
+
+
+@pytest.mark.slow
 def test_every_variant_is_checked(result):
     assert list(result["variants"]) == VARIANTS
 
 
+@pytest.mark.slow
 def test_inputs_cover_the_branches(result):
     # Row 0 accepts every draft (n = G); row 2 stops at a zero residual (n = 0);
     # deterministic drafts and greedy verification accept some tokens too.
@@ -64,6 +94,7 @@ def test_inputs_cover_the_branches(result):
     assert result["variants"]["B = 0"]["rows"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_identical_to_single_device(result, variant, mesh):
@@ -71,6 +102,7 @@ def test_identical_to_single_device(result, variant, mesh):
     assert result["variants"][variant][mesh]["identical"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("variant", INSPECTED)
 def test_no_vocabulary_sized_collective(result, variant, mesh):
@@ -81,44 +113,44 @@ def test_no_vocabulary_sized_collective(result, variant, mesh):
     assert entry["collectives"] >= 3
 
 
-def test_each_failure_kind_is_reported_in_its_row(result):
+def test_each_failure_kind_is_reported_in_its_row(quick):
     """One row per failure kind of the step, among good rows; bit-identical codes on
     every mesh are asserted with the outputs above."""
-    found = result["variants"]["throw=False"]
+    found = quick["variants"]["throw=False"]
     planted = found["planted"]
     assert len(planted) == 10
     assert found["failed"] == sorted(row for rows in planted.values() for row in rows)
     assert found["rows of each kind"] == planted
 
 
-def test_inputs_on_one_device_are_placed_on_the_mesh(result):
-    assert result["committed"]
+def test_inputs_on_one_device_are_placed_on_the_mesh(quick):
+    assert quick["committed"]
 
 
-def test_indivisible_vocabulary(result):
-    message = result["indivisible"]
+def test_indivisible_vocabulary(quick):
+    message = quick["indivisible"]
     assert message is not None
     assert "divisible" in message and "vocab_axis" in message
 
 
-def test_value_checks_run(result):
-    assert result["bad_token"] is not None
-    assert "draft_tokens must lie in [0, V)" in result["bad_token"]
+def test_value_checks_run(quick):
+    assert quick["bad_token"] is not None
+    assert "draft_tokens must lie in [0, V)" in quick["bad_token"]
 
 
-def test_integer_tokens_are_read_by_value(result):
-    assert result["int16_identical"]
-    message = result["int64_token"]
+def test_integer_tokens_are_read_by_value(quick):
+    assert quick["int16_identical"]
+    message = quick["int64_token"]
     assert message is not None and "draft_tokens must lie in [0, V)" in message
 
 
-def test_an_overflowing_row_names_target_probs(result):
-    message = result["overflow"]
+def test_an_overflowing_row_names_target_probs(quick):
+    message = quick["overflow"]
     assert message is not None and "target_probs must have rows whose total" in message
 
 
-def test_pieces_that_cannot_split_the_vocabulary_are_refused(result):
-    refused = result["refused"]
+def test_pieces_that_cannot_split_the_vocabulary_are_refused(quick):
+    refused = quick["refused"]
     assert "splits the vocabulary over 'model'" in refused["fixed axis"]
     assert "DelegatingResidual, cannot split the vocabulary" in refused["no axis field"]
 

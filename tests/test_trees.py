@@ -104,6 +104,7 @@ def test_deterministic_drafts_are_lossless(kind, shape, tokens):
     assert error < 1e-12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "drafting, wrong_rule",
     [("independent", "without replacement"), ("without replacement", "independent")],
@@ -179,6 +180,7 @@ def _sample_trees(rng, parents, num_trees, drafting):
     return tokens, draft_rows, target_rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, drafting",
     [
@@ -263,6 +265,7 @@ def test_a_chain_is_verified_as_the_chain_step_does(style, deterministic):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "deterministic, dtype", [(False, "float32"), (False, "float64"), (True, "float64")]
 )
@@ -296,6 +299,7 @@ def _mean_length(kind, parents, target, draft, vocab, drafting):
     return sum(probability * len(s) for s, probability in dist.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["independent", "without replacement"])
 def test_traversal_keeps_more_tokens_than_recursive_sampling_on_these_trees(drafting):
     def gain(parents):
@@ -364,6 +368,7 @@ def test_row_alone_equals_row_in_batch(kind):
             np.testing.assert_array_equal(alone[name][0], batched[name][b])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", STEPS)
 def test_accepted_nodes_follow_the_path(kind):
     """With coins of 0 every node the target allows passes. The recursive walk takes
@@ -423,6 +428,7 @@ def test_bad_values_raise_or_come_back_per_row(kind, change, message):
             assert out["num_accepted"][b] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", STEPS)
 def test_vmap_over_an_extra_leading_axis(kind):
     inputs = _random_tree_inputs(10, 4)
@@ -446,6 +452,7 @@ def test_structure_errors_name_the_argument():
         speculax.TreeStep(max_depth=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", STEPS)
 def test_empty_batch_and_empty_tree(kind):
     inputs = _random_tree_inputs(9, 3)
@@ -518,6 +525,7 @@ def _target_only_in_engine_order(next_token, next_sibling, tokens, p, u, s):
         position = child
 
 
+@pytest.mark.slow
 def test_sglang_trees_verify_as_the_target_only_rule():
     """Converted with `tree_from_linked_lists`, the step with deterministic drafts
     makes the target-only rule's decisions in the engine's sibling order."""
@@ -612,6 +620,7 @@ def _uniforms_on_block_edges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(which), np.array(uniforms, np.float32)
 
 
+@pytest.mark.slow
 def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
     """Bit for bit also where the token depends on the last bit of a block sum: the
     tree step sums the weights in the lanes of the chain step's row summary, for
@@ -726,6 +735,7 @@ def _reference_traversal(parents, tokens, q, p, u, s, without_replacement, max_d
     return visit(0, [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "drafting", ["independent", "without replacement", "deterministic"]
 )
@@ -797,6 +807,7 @@ def test_bad_draft_rows_are_named():
     assert "row q_n" in messages[0] and messages[1] == ""
 
 
+@pytest.mark.slow
 def test_a_parent_int32_cannot_hold_is_refused():
     import speculax
 
@@ -823,6 +834,7 @@ def test_a_deterministic_sampler_needs_no_sample_uniforms():
         speculax.TraversalStep(sampler=speculax.Argmax())(**inputs)
 
 
+@pytest.mark.slow
 def test_mixed_precision_inputs_under_x64():
     import speculax
 

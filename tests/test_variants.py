@@ -15,6 +15,7 @@ from oracle import judge, reference_probs_from_logits
 # --- Probabilities from logits -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "temperature, top_k, top_p",
     [
@@ -150,6 +151,7 @@ def test_uniforms_reject_a_key_array_of_the_wrong_length():
 # --- Typical acceptance ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epsilon, alpha", [(0.09, 0.3), (0.3, 0.1), (1.0, 1.0)])
 def test_typical_acceptance_matches_numpy(epsilon, alpha):
     import speculax
@@ -311,6 +313,7 @@ def test_key_and_uniforms_together_are_refused():
 # --- Diagnostics -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["peaked", "sparse"])
 def test_diagnostics_match_numpy(style):
     import speculax
@@ -342,6 +345,7 @@ def _one_hot(tokens, vocab):
     return np.eye(vocab, dtype=np.float32)[tokens]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("shape", [(4, 3, 7), (3, 2, 600), (2, 0, 5)])
 def test_deterministic_drafts_are_one_hot_draft_distributions(seed, shape):
@@ -357,6 +361,7 @@ def test_deterministic_drafts_are_one_hot_draft_distributions(seed, shape):
     np.testing.assert_array_equal(out["tokens"], dense["tokens"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 256])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deterministic_drafts_take_the_fused_path_on_both_strategies(
@@ -420,6 +425,7 @@ def _ragged_steps():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["default", "generic"])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_ragged_batch_is_each_row_run_alone(path, seed):
@@ -449,6 +455,7 @@ def test_a_ragged_batch_is_each_row_run_alone(path, seed):
         assert int(out["num_accepted"][row]) == int(expected["num_accepted"][0])
 
 
+@pytest.mark.slow
 def test_ragged_lengths_outside_the_draft_are_refused():
     import speculax
 
@@ -463,6 +470,7 @@ def test_ragged_lengths_outside_the_draft_are_refused():
         speculax.SpeculativeStep()(**inputs, num_draft_tokens=np.array([1.0, 2.0]))
 
 
+@pytest.mark.slow
 def test_diagnostics_with_deterministic_drafts():
     import speculax
 
@@ -480,6 +488,7 @@ def test_diagnostics_with_deterministic_drafts():
 # --- Every variant under vmap ------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["greedy", "deterministic", "ragged", "key"])
 def test_variants_under_vmap_match_each_copy_alone(variant):
     import speculax
