@@ -22,7 +22,7 @@ from test_trees import DRAFTS, TARGET, VOCAB
 @final
 class DropsToken(speculax.AbstractSampler):
     """Inverse CDF over the weights with token 1 taken out (unless it holds all the
-    mass): its probability goes to the others, as in the issue's composition."""
+    mass): its probability goes to the others, a lossy sampler."""
 
     reads_uniforms: ClassVar[bool] = True
     axis_name: None = None

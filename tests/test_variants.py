@@ -1,4 +1,4 @@
-"""The verification variants serving engines offer (issue 6), each against NumPy."""
+"""The verification variants serving engines offer, each against NumPy."""
 
 import functools
 
