@@ -122,3 +122,16 @@ def close_drafts(
     for name in ("draft_probs", "target_probs", "accept_uniforms", "sample_uniforms"):
         inputs[name] = inputs[name].astype(dtype)
     return inputs
+
+
+# Every integer dtype, for the tests that integers are read by value in each.
+ALL_INTEGER_DTYPES = [
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inputs import random_inputs
+from inputs import ALL_INTEGER_DTYPES, random_inputs
 from oracle import judge
 
 
@@ -696,7 +696,6 @@ def test_failure_messages_need_concrete_codes():
 # JAX arrays and Python ints, with and without x64: read by value, never wrapped.
 # The oracle is the same call on int32 values where the value is valid, and the
 # documented error where it is not.
-ALL_INTEGER_DTYPES = [*INTEGER_DTYPES, "uint64"]
 INT32 = np.iinfo(np.int32)
 # Values either side of every width's limits, and the wrapping traps: 2**32 + 2 is 2
 # in int32, 2**32 - 1 (uint32) is -1.

@@ -19,6 +19,7 @@ from scipy import stats
 
 import speculax
 import speculax.testing
+from inputs import ALL_INTEGER_DTYPES
 
 
 @final
@@ -561,18 +562,6 @@ def test_wide_prompt_tokens_are_not_wrapped_under_x64():
             )
 
 
-INTEGER_DTYPES = [
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-]
-
-
 @functools.cache
 def _fuzz_loop() -> tuple:
     draft, target = markov_pair(3, 1, seed=4)
@@ -582,7 +571,7 @@ def _fuzz_loop() -> tuple:
 @pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(
-    dtype=st.sampled_from(INTEGER_DTYPES),
+    dtype=st.sampled_from(ALL_INTEGER_DTYPES),
     as_jax=st.booleans(),
     x64=st.booleans(),
     tokens=st.lists(
