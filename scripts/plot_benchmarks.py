@@ -1,7 +1,7 @@
 """Draws docs/images/benchmarks.svg: speedup of the default step over the obvious
 implementation, and its time over the floor, versus the vocabulary size V.
 
-Runs `speculax._bench.run_bench` on a sweep of V (or reads the output of
+Runs `speculax._cli._bench.run_bench` on a sweep of V (or reads the output of
 `speculax bench --json` that covers several V), then plots both ratios.
 
 Usage (a docs-time tool; needs matplotlib):
@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from speculax._bench import Size, run_bench
+from speculax._cli._bench import Size, run_bench
 
 
 # Vector output, sharp at any zoom; text stays text, so the file stays small.

@@ -2,10 +2,11 @@
 speculative sampling loop against the number of draft tokens $G$, with the demo's
 models (`speculax demo --loop`), and prints the Markdown tables of docs/loop.md.
 
-Runs `speculax._demo.measure_loop` with one prompt per call and with all eight in one
-call, each with $G = 0$ (the target alone) and $G$ from 1 to 8, side by side in one
-process; then times each model alone, on 1 and 8 rows, scoring 1 to 9 positions a
-call. About two minutes on two CPU cores (needs matplotlib, in the `docs` extra):
+Runs `speculax._cli._demo.measure_loop` with one prompt per call and with all
+eight in one call, each with $G = 0$ (the target alone) and $G$ from 1 to 8, side
+by side in one process; then times each model alone, on 1 and 8 rows, scoring 1
+to 9 positions a call. About two minutes on two CPU cores (needs matplotlib, in
+the `docs` extra):
 
     python scripts/plot_loop.py [--max-new-tokens 256] [--repeats 5]
         [--output docs/images/loop.svg]
@@ -24,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from speculax._demo import LoopMeasurement, load_demo_models, measure_loop
+from speculax._cli._demo import LoopMeasurement, load_demo_models, measure_loop
 
 
 # Vector output, sharp at any zoom; text stays text, so the file stays small.

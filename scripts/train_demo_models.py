@@ -1,14 +1,14 @@
 """Trains the demo's draft and target models and writes their weights into the
-package, src/speculax/_demo/weights/{draft,target}.eqx, which
-`speculax._demo.load_demo_models` reads.
+package, src/speculax/_cli/_demo/weights/{draft,target}.eqx, which
+`speculax._cli._demo.load_demo_models` reads.
 
 Both are byte-level `WindowModel`s (the hyperparameters in
-src/speculax/_demo/_shipped.py), trained with Adam on random rows of the source of
-some standard-library modules (`speculax._demo.corpus`), with fixed seeds; the last
+src/speculax/_cli/_demo/_shipped.py), trained with Adam on random rows of the source of
+some standard-library modules (`speculax._cli._demo.corpus`), with fixed seeds; the last
 twentieth of that text is held out, and the loss on it printed, in nats per byte.
 Under a minute for both on two CPU cores:
 
-    python scripts/train_demo_models.py [--output-dir src/speculax/_demo/weights]
+    python scripts/train_demo_models.py [--output-dir src/speculax/_cli/_demo/weights]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from speculax._demo import (
+from speculax._cli._demo import (
     DRAFT_HYPERPARAMETERS,
     TARGET_HYPERPARAMETERS,
     WindowModel,
@@ -27,11 +27,11 @@ from speculax._demo import (
     split_corpus,
     train,
 )
-from speculax._demo._shipped import DRAFT_WEIGHTS, TARGET_WEIGHTS
+from speculax._cli._demo._shipped import DRAFT_WEIGHTS, TARGET_WEIGHTS
 
 
 DEFAULT_OUTPUT_DIR = (
-    Path(__file__).resolve().parent.parent / "src/speculax/_demo/weights"
+    Path(__file__).resolve().parent.parent / "src/speculax/_cli/_demo/weights"
 )
 # (name, hyperparameters, file, steps, seed); rows of 64 predictions, 64 a step.
 MODELS = (

@@ -14,7 +14,7 @@ import numpy as np
 
 import speculax
 import speculax.testing
-from speculax._bench import Size, eagle_tree, make_tree_inputs
+from speculax._cli._bench import Size, eagle_tree, make_tree_inputs
 
 
 VOCAB = 4

@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 
 import speculax
 import speculax.testing
-from speculax._bench import eagle_tree
+from speculax._cli._bench import eagle_tree
 
 
 # Vector output, sharp at any zoom; text stays text, so the file stays small (plain

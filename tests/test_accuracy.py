@@ -15,7 +15,7 @@ import pytest
 import speculax
 from doubles import DelegatingResidual
 from inputs import LARGEST_BELOW_ONE
-from speculax._bench import Size, make_inputs
+from speculax._cli._bench import Size, make_inputs
 
 
 TOLERANCE = 1e-6

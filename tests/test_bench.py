@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import speculax
-from speculax._bench import (
+from speculax._cli._bench import (
     Size,
     argmax_verification,
     baseline_step,
@@ -29,7 +29,7 @@ from speculax._bench import (
 
 @pytest.mark.slow
 def test_bench_command_runs_on_tiny_sizes(capsys):
-    from speculax._cli import main
+    from speculax._cli._command import main
 
     sizes = [
         "2x3x300",
@@ -78,7 +78,7 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
 
 
 def test_bench_table_without_json(capsys):
-    from speculax._cli import main
+    from speculax._cli._command import main
 
     assert main(["bench", "--sizes", "1x1x64", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -90,7 +90,7 @@ def test_bench_table_without_json(capsys):
     "bad", ["64x5", "ax5x3", "1x1x8:int8", "0x1x8", "1x1x8:greedy:deterministic"]
 )
 def test_bench_rejects_a_bad_size(bad, capsys):
-    from speculax._cli import main
+    from speculax._cli._command import main
 
     assert main(["bench", "--sizes", bad]) == 2
     assert "speculax bench: error:" in capsys.readouterr().err

@@ -9,12 +9,12 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from speculax._cli import INPUT_NAMES
+from speculax._cli._command import INPUT_NAMES
 from test_examples import WORKED_EXAMPLES
 
 
 def _main(argv, capsys):
-    from speculax._cli import main
+    from speculax._cli._command import main
 
     status = main(argv)
     captured = capsys.readouterr()
@@ -145,7 +145,7 @@ def test_version(capsys):
 
 
 def test_bench_help_lists_every_variant_and_dtype(monkeypatch, capsys):
-    from speculax._bench import DTYPES, VARIANTS
+    from speculax._cli._bench import DTYPES, VARIANTS
 
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
@@ -332,7 +332,7 @@ def test_the_documented_usage_is_the_parser_s(monkeypatch, capsys):
     """The usage block at the top of docs/cli.md is `speculax --help`, verbatim."""
     from pathlib import Path
 
-    from speculax._cli import main
+    from speculax._cli._command import main
 
     page = (Path(__file__).resolve().parent.parent / "docs/cli.md").read_text()
     documented = page.split("```text\n", 1)[1].split("```\n", 1)[0]

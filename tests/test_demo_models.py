@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from speculax._demo import (
+from speculax._cli._demo import (
     CORPUS_MODULES,
     WindowModel,
     corpus,

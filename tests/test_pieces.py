@@ -292,7 +292,7 @@ def test_first_argmax_is_jnp_argmax(vocab):
     a row with a NaN gets an index inside it."""
     import jax
 
-    from speculax._numerics import first_argmax
+    from speculax._core._numerics import first_argmax
 
     rng = np.random.default_rng(vocab)
     values = [0.0, -0.0, 0.5, 1.0, -np.inf, np.inf]

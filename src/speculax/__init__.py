@@ -2,25 +2,34 @@
 
 import importlib.metadata
 
-from ._acceptance import (
-    AbstractAcceptance as AbstractAcceptance,
-    BlockAcceptance as BlockAcceptance,
-    GreedyAcceptance as GreedyAcceptance,
-    RatioAcceptance as RatioAcceptance,
-    TypicalAcceptance as TypicalAcceptance,
-)
-from ._diagnostics import (
+from ._chain._diagnostics import (
     StepDiagnostics as StepDiagnostics,
     diagnose as diagnose,
 )
-from ._failures import (
+from ._chain._step import (
+    SpeculativeStep as SpeculativeStep,
+    StepOutput as StepOutput,
+    block_step as block_step,
+    greedy_step as greedy_step,
+    speculative_step as speculative_step,
+)
+from ._core._failures import (
     RESULTS as RESULTS,
     failure_messages as failure_messages,
 )
-from ._input_array import InputArray as InputArray
+from ._inputs._input_array import InputArray as InputArray
+from ._inputs._random import KeyArray as KeyArray, uniforms as uniforms
+from ._inputs._token_major import (
+    from_token_major as from_token_major,
+    to_token_major as to_token_major,
+)
+from ._inputs._tree_formats import (
+    parents_from_paths as parents_from_paths,
+    tree_from_linked_lists as tree_from_linked_lists,
+)
 from ._logits._probs import probs_from_logits as probs_from_logits
 from ._logits._step import LogitsStep as LogitsStep
-from ._loop import (
+from ._loop._loop import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,
     SAMPLE as SAMPLE,
@@ -31,48 +40,41 @@ from ._loop import (
     LoopState as LoopState,
     SpeculativeLoop as SpeculativeLoop,
 )
-from ._prefix import (
+from ._pieces._acceptance import (
+    AbstractAcceptance as AbstractAcceptance,
+    BlockAcceptance as BlockAcceptance,
+    GreedyAcceptance as GreedyAcceptance,
+    RatioAcceptance as RatioAcceptance,
+    TypicalAcceptance as TypicalAcceptance,
+)
+from ._pieces._prefix import (
     AbstractPrefixCount as AbstractPrefixCount,
     LastPassCount as LastPassCount,
     PrefixCount as PrefixCount,
 )
-from ._random import KeyArray as KeyArray, uniforms as uniforms
-from ._residual import (
+from ._pieces._residual import (
     AbstractResidual as AbstractResidual,
     BlockResidual as BlockResidual,
     Residual as Residual,
     TargetRow as TargetRow,
 )
-from ._sampling import (
+from ._pieces._sampling import (
     AbstractSampler as AbstractSampler,
     Argmax as Argmax,
     InverseCDF as InverseCDF,
 )
 from ._sharded import sharded_step as sharded_step
-from ._step import (
-    SpeculativeStep as SpeculativeStep,
-    StepOutput as StepOutput,
-    block_step as block_step,
-    greedy_step as greedy_step,
-    speculative_step as speculative_step,
-)
-from ._token_major import (
-    from_token_major as from_token_major,
-    to_token_major as to_token_major,
-)
-from ._traversal import TraversalStep as TraversalStep
-from ._tree import (
-    AbstractSiblingRule as AbstractSiblingRule,
+from ._tree._abstract import (
     AbstractTreeStep as AbstractTreeStep,
+    TreeOutput as TreeOutput,
+)
+from ._tree._recursive import TreeStep as TreeStep
+from ._tree._siblings import (
+    AbstractSiblingRule as AbstractSiblingRule,
     IndependentSiblings as IndependentSiblings,
     SiblingsWithoutReplacement as SiblingsWithoutReplacement,
-    TreeOutput as TreeOutput,
-    TreeStep as TreeStep,
 )
-from ._tree_formats import (
-    parents_from_paths as parents_from_paths,
-    tree_from_linked_lists as tree_from_linked_lists,
-)
+from ._tree._traversal import TraversalStep as TraversalStep
 
 
 __version__ = importlib.metadata.version("speculax")

@@ -1,4 +1,4 @@
-from ._cli import main
+from ._cli._command import main
 
 
 raise SystemExit(main())

@@ -12,12 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ._checks import check_structure
-from ._failures import RESULTS
-from ._input_array import InputArray
-from ._numerics import as_index, index_array
-from ._random import KeyArray
-from ._step import (
+from ._chain._step import (
     SpeculativeStep,
     StepOutput,
     optional_array,
@@ -25,6 +20,11 @@ from ._step import (
     resolve_uniforms,
     uniform_readers,
 )
+from ._core._checks import check_structure
+from ._core._failures import RESULTS
+from ._core._numerics import as_index, index_array
+from ._inputs._input_array import InputArray
+from ._inputs._random import KeyArray
 
 
 @overload

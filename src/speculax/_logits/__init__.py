@@ -1,3 +1,3 @@
 """Verification from logits: the sampling parameters of each request, the truncated
-distributions they define, the step that reads logits, and the engines' token-major
-layout."""
+distributions they define and the step that reads logits. Imports the families
+below it, up to `_chain`."""

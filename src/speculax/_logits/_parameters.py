@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._failures import RESULTS, Failure
-from .._numerics import integer_input
+from .._core._failures import RESULTS, Failure
+from .._core._numerics import integer_input
 
 
 class SamplingParameters(eqx.Module):

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from .._failures import first_failure, raise_first_failure
-from .._numerics import arithmetic_dtype
+from .._core._failures import first_failure, raise_first_failure
+from .._core._numerics import arithmetic_dtype
 from ._parameters import sampling_parameters
 from ._truncation import probability, request_statistics
 

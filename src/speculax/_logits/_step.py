@@ -5,8 +5,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._checks import check_structure
-from .._failures import (
+from .._chain._step import (
+    StepOutput,
+    assemble_tokens,
+    optional_array,
+    optional_index_array,
+    resolve_uniforms,
+)
+from .._core._checks import check_structure
+from .._core._failures import (
     RESULTS,
     Failure,
     draft_failures,
@@ -16,19 +23,12 @@ from .._failures import (
     sampled_failure,
     stopping_row_failures,
 )
-from .._input_array import InputArray
-from .._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
-from .._prefix import PrefixCount
-from .._random import KeyArray
-from .._sampling import InverseCDF, sample_residual
-from .._step import (
-    StepOutput,
-    assemble_tokens,
-    optional_array,
-    optional_index_array,
-    resolve_uniforms,
-)
-from .._stopping_rows import stopping_row_summary
+from .._core._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray
+from .._pieces._prefix import PrefixCount
+from .._pieces._sampling import InverseCDF, sample_residual
+from .._pieces._stopping_rows import stopping_row_summary
 from ._parameters import SamplingParameters, sampling_parameters
 from ._truncation import (
     RowStatistics,

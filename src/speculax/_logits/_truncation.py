@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt
 
-from .._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
+from .._core._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
 from ._parameters import SamplingParameters
 
 

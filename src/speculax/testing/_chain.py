@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .._acceptance import AbstractAcceptance
-from .._residual import AbstractResidual
-from .._sampling import AbstractSampler
-from .._step import SpeculativeStep
+from .._chain._step import SpeculativeStep
+from .._pieces._acceptance import AbstractAcceptance
+from .._pieces._residual import AbstractResidual
+from .._pieces._sampling import AbstractSampler
 
 
 # Enumeration costs V^G calls' worth of rows; past this it is no longer a quick check.

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._loop import (
+from .._chain._step import SpeculativeStep
+from .._loop._loop import (
     ACCEPT,
     DRAFT,
     SAMPLE,
@@ -20,7 +21,6 @@ from .._loop import (
     SpeculativeLoop,
     model_probs,
 )
-from .._step import SpeculativeStep
 from ._chain import (
     acceptance_thresholds,
     in_chunks,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._step import SpeculativeStep
+from .._chain._step import SpeculativeStep
 from ._chain import check_row
 
 

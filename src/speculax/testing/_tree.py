@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float
 
-from .._traversal import TraversalStep
-from .._tree import AbstractTreeStep, TreeStep
+from .._tree._abstract import AbstractTreeStep
+from .._tree._recursive import TreeStep
+from .._tree._traversal import TraversalStep
 from ._chain import refuse_sampler, sampler_cells
 
 

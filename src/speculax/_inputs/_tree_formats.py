@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
+from .._core._numerics import host_integers, is_integer_array, static_integer
 from ._input_array import InputArray
-from ._numerics import host_integers, is_integer_array, static_integer
 
 
 def parents_from_paths(

@@ -90,7 +90,7 @@ def split_corpus(
 
     **Arguments:**
 
-    - `tokens`: uint8 `(size,)`, as `speculax._demo.corpus` returns.
+    - `tokens`: uint8 `(size,)`, as `speculax._cli._demo.corpus` returns.
     - `held_out_fraction`: the fraction of the bytes, at the end, held out.
 
     **Returns:**

@@ -2,9 +2,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ._input_array import InputArray
-from ._numerics import as_index, index_array, upcast
-from ._random import KeyArray
+from .._core._numerics import as_index, index_array, upcast
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray
 from ._step import SpeculativeStep, StepOutput
 
 

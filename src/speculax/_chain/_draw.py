@@ -4,13 +4,13 @@ one pass when they are the default pair."""
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._block import stopping_ratio
-from ._failures import Failure, overflow_failure, stopping_row_failures
-from ._numerics import BLOCK_SIZE, upcast
-from ._residual import AbstractResidual, BlockResidual, Residual, TargetRow
-from ._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
-from ._stopping_rows import stopping_row_summary
-from ._vocab_axis import first_argmax_over_vocab
+from .._core._failures import Failure, overflow_failure, stopping_row_failures
+from .._core._numerics import BLOCK_SIZE, upcast
+from .._core._vocab_axis import first_argmax_over_vocab
+from .._pieces._block import stopping_ratio
+from .._pieces._residual import AbstractResidual, BlockResidual, Residual, TargetRow
+from .._pieces._sampling import AbstractSampler, Argmax, InverseCDF, sample_residual
+from .._pieces._stopping_rows import stopping_row_summary
 
 
 def draw_token(

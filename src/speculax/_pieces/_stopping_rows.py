@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._numerics import flush_subnormal, ordered_block_sums, upcast
-from ._vocab_axis import one_hot_over_vocab, sum_over_vocab, vocab_offset
+from .._core._numerics import flush_subnormal, ordered_block_sums, upcast
+from .._core._vocab_axis import one_hot_over_vocab, sum_over_vocab, vocab_offset
 
 
 def stopping_rows(

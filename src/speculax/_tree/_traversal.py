@@ -9,19 +9,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._block import block_continuation, next_ratio
-from ._failures import holds_bad_values, not_a_probability
-from ._numerics import arithmetic_dtype, flush_subnormal, upcast
-from ._sampling import AbstractSampler, InverseCDF
-from ._stopping_rows import read_row
-from ._tree import (
-    AbstractSiblingRule,
-    AbstractTreeStep,
-    IndependentSiblings,
-    TreeWalk,
-    start_walk,
-)
-from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
+from .._core._failures import holds_bad_values, not_a_probability
+from .._core._numerics import arithmetic_dtype, flush_subnormal, upcast
+from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums
+from .._pieces._block import block_continuation, next_ratio
+from .._pieces._sampling import AbstractSampler, InverseCDF
+from .._pieces._stopping_rows import read_row
+from ._abstract import AbstractTreeStep, TreeWalk, start_walk
+from ._siblings import AbstractSiblingRule, IndependentSiblings
 
 
 @final

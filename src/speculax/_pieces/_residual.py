@@ -5,10 +5,10 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._core._numerics import upcast
+from .._core._vocab_axis import any_over_vocab, one_hot_over_vocab
 from ._block import scaled_excess, stopping_ratio
-from ._numerics import upcast
 from ._stopping_rows import stopping_rows
-from ._vocab_axis import any_over_vocab, one_hot_over_vocab
 
 
 # Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type

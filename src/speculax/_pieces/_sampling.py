@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import check_static_int
-from ._numerics import BLOCK_SIZE, ordered_block_sums, upcast
+from .._core._checks import check_static_int
+from .._core._numerics import BLOCK_SIZE, ordered_block_sums, upcast
+from .._core._vocab_axis import first_argmax_over_vocab, gather_blocks, vocab_offset
 from ._stopping_rows import RowSummary, block_weights
-from ._vocab_axis import first_argmax_over_vocab, gather_blocks, vocab_offset
 
 
 # Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type

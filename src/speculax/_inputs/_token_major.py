@@ -14,8 +14,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
+from .._core._numerics import integer_input, static_integer
 from ._input_array import InputArray
-from ._numerics import integer_input, static_integer
 
 
 def from_token_major(

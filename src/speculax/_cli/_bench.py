@@ -64,11 +64,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._logits._probs import probs_from_logits
-from ._logits._step import LogitsStep
-from ._step import SpeculativeStep, StepOutput, block_step, greedy_step
-from ._traversal import TraversalStep
-from ._tree import TreeStep
+from .._chain._step import SpeculativeStep, StepOutput, block_step, greedy_step
+from .._logits._probs import probs_from_logits
+from .._logits._step import LogitsStep
+from .._tree._recursive import TreeStep
+from .._tree._traversal import TraversalStep
 
 
 @dataclasses.dataclass(frozen=True)

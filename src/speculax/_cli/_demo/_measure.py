@@ -6,7 +6,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from .._loop import LoopOutput, SpeculativeLoop
+from ..._loop._loop import LoopOutput, SpeculativeLoop
 from ._corpus import decode, encode
 from ._shipped import load_demo_models
 
@@ -78,7 +78,7 @@ def measure_loop(
 
     **Returns:**
 
-    One [`LoopMeasurement`][speculax._demo.LoopMeasurement] for $G = 0$, then one
+    One [`LoopMeasurement`][speculax._cli._demo.LoopMeasurement] for $G = 0$, then one
     per entry of `num_drafts`.
     """
     if any(num_draft < 1 for num_draft in num_drafts):

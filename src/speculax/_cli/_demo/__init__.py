@@ -6,7 +6,7 @@ their weights shipped in the package.
 
 ```python
 import jax.numpy as jnp
-from speculax._demo import decode, encode, load_demo_models
+from speculax._cli._demo import decode, encode, load_demo_models
 
 draft, target = load_demo_models()
 tokens = jnp.asarray(encode("def __init__(self"))[None, :]

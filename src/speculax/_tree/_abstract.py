@@ -1,5 +1,5 @@
-"""Tree verification: recursive rejection sampling over a draft tree. See
-`docs/trees.md`."""
+"""The tree step's interface and what every tree step shares: the inputs, their
+checks, the final draw and the output. See `docs/trees.md`."""
 
 import abc
 from typing import TypedDict, final
@@ -9,110 +9,39 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import (
+from .._chain._step import optional_array, resolve_uniforms
+from .._core._checks import (
     check_ranks_and_dtypes,
     check_sizes,
     check_static_int,
     checked_vocab,
 )
-from ._failures import (
+from .._core._failures import (
     RESULTS,
     Failure,
     first_failure,
-    holds_bad_values,
     not_a_probability,
     outside_unit_interval,
     report_failures,
 )
-from ._input_array import InputArray
-from ._numerics import (
+from .._core._numerics import (
     arithmetic_dtype,
     as_index,
-    flush_subnormal,
     index_array,
     ordered_block_sums,
     upcast,
 )
-from ._random import KeyArray
-from ._sampling import AbstractSampler, InverseCDF, block_reader, draw_from_blocks
-from ._step import optional_array, resolve_uniforms
-from ._stopping_rows import read_row, summary_loops_over_rows, summation_lanes
-from ._vocab_axis import one_hot_over_vocab, ordered_row_sums
-
-
-class AbstractSiblingRule(eqx.Module):
-    """What a rejected child leaves for its next sibling: the distributions that the
-    next child of the same node is tested against, and, if every child fails, the one
-    the token is drawn from.
-
-    At a node with target distribution $p$ and draft distribution $q$, a child $c$
-    passes when $u_c \\, q(c) < p(c)$. When it fails, the rule returns the new
-    $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
-    depends on how the children were drawn: the rule must match the drafter.
-
-    The concrete rules are final: to change one, wrap it in a piece of your own.
-    """
-
-    @abc.abstractmethod
-    def __call__(
-        self,
-        target: Float[Array, " vocab"],
-        draft: Float[Array, " vocab"],
-        rejected: Int[Array, ""],
-    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
-        """**Arguments:**
-
-        - `target`: $p$, the node's current target distribution, normalised, in the
-            arithmetic dtype; for [`speculax.TraversalStep`][] times $\\alpha$, the
-            probability of keeping the path to the node, so that what it leaves has
-            mass $r$.
-        - `draft`: $q$, the node's current draft distribution, normalised; for
-            deterministic drafts the one-hot of the rejected token.
-        - `rejected`: $c$, the token of the child that failed.
-
-        **Returns:**
-
-        The unnormalised $(p', q')$ for the next sibling, non-negative, of shape
-        `(vocab,)`. A $p'$ with no mass makes the step fall back to the node's target
-        row.
-        """
-
-
-@final
-class IndependentSiblings(AbstractSiblingRule):
-    """For children drawn independently from $q$ (with replacement, as SpecInfer
-    does): $p' = \\max(p - q, 0)$ and $q' = q$, the multi-step speculative sampling
-    of SpecInfer. Also the rule for deterministic drafts (`draft_probs=None`), where
-    $q$ is the one-hot of each child in turn and $p'$ is $p$ with the child taken
-    out: the target-only rule of SGLang and TensorRT-LLM.
-    """
-
-    def __call__(
-        self,
-        target: Float[Array, " vocab"],
-        draft: Float[Array, " vocab"],
-        rejected: Int[Array, ""],
-    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
-        del rejected
-        return jnp.maximum(target - draft, 0), draft
-
-
-@final
-class SiblingsWithoutReplacement(AbstractSiblingRule):
-    """For children drawn from $q$ without replacement (one after another, each from
-    $q$ renormalised without the ones before: Gumbel-top-k, stochastic beam search):
-    $p' = \\max(p - q, 0)$ and $q'$ is $q$ without the rejected token, the recursive
-    rejection sampling of Jeon et al. (2024).
-    """
-
-    def __call__(
-        self,
-        target: Float[Array, " vocab"],
-        draft: Float[Array, " vocab"],
-        rejected: Int[Array, ""],
-    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
-        others = jnp.arange(draft.shape[-1]) != rejected
-        return jnp.maximum(target - draft, 0), jnp.where(others, draft, 0)
+from .._core._vocab_axis import ordered_row_sums
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray
+from .._pieces._sampling import (
+    AbstractSampler,
+    InverseCDF,
+    block_reader,
+    draw_from_blocks,
+)
+from .._pieces._stopping_rows import summary_loops_over_rows, summation_lanes
+from ._siblings import AbstractSiblingRule
 
 
 class TreeOutput(TypedDict):
@@ -418,160 +347,6 @@ class AbstractTreeStep(eqx.Module):
             (overflows, RESULTS.target_row_overflows),
         ]
         return drawn, failures
-
-
-@final
-class TreeStep(AbstractTreeStep):
-    """One verification step over a batch of draft trees, by recursive rejection
-    sampling: lossless when the sibling rule matches how the children were drawn.
-
-    At each node, starting at the root, the children are tried in index order; a
-    child $c$ passes when $u_c \\, q(c) < p(c)$ and the walk moves into it. A failed
-    child leaves the distributions of the sibling rule for the next one. When every
-    child of a node fails, the token is drawn from what they left; when the walk
-    reaches a node without children, the bonus token is drawn from its target row.
-    A residual without mass falls back to the node's target row, as in the chain
-    step. Called as [`speculax.AbstractTreeStep.__call__`][].
-
-    **Arguments:**
-
-    - `siblings`: an [`speculax.AbstractSiblingRule`][]; default
-        [`speculax.IndependentSiblings`][].
-    - `sampler`: an [`speculax.AbstractSampler`][]; default
-        [`speculax.InverseCDF`][].
-    - `max_depth`: keyword only, the longest path kept, a static positive integer,
-        or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
-        ignored.
-    - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
-    """
-
-    siblings: AbstractSiblingRule = IndependentSiblings()
-    sampler: AbstractSampler = InverseCDF()
-    max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
-    check_values: bool = eqx.field(static=True, default=True, kw_only=True)
-    throw: bool = eqx.field(static=True, default=True, kw_only=True)
-
-    def _walk(
-        self,
-        max_depth: int,
-        b: Int[Array, ""],
-        parents: Int[Array, "batch nodes"],
-        tree_tokens: Int[Array, "batch nodes"],
-        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
-        target_probs: Float[Array, "batch nodes+1 vocab"],
-        accept_uniforms: Float[Array, "batch nodes"],
-    ) -> TreeWalk:
-        """The walk of row `b`: every node is visited once, in index order, and
-        tested when its parent is the current node (parents come first, so the
-        children of a node all follow it). Only a failed test reads whole rows."""
-        vocab = target_probs.shape[-1]
-        dtype = arithmetic_dtype(draft_probs, target_probs)
-
-        def target_row(node):
-            return read_row(target_probs, b, node)
-
-        def draft_row(node, token):
-            if draft_probs is None:
-                return one_hot_over_vocab(token, vocab, dtype, None)
-            return read_row(draft_probs, b, node)
-
-        def visit(j, walk: TreeWalk) -> TreeWalk:
-            token = tree_tokens[b, j]
-            is_child = (parents[b, j] == walk.current) & (walk.depth < max_depth)
-            return jax.lax.cond(is_child, test, skip, j, token, walk)
-
-        def skip(j, token, walk: TreeWalk) -> TreeWalk:
-            del j, token
-            return walk
-
-        def test(j, token, walk: TreeWalk) -> TreeWalk:
-            at = jnp.clip(token, 0, vocab - 1)
-            raw_target = upcast(target_probs[b, walk.current, at])
-            if draft_probs is None:
-                raw_draft = jnp.ones((), dtype)
-            else:
-                raw_draft = upcast(draft_probs[b, walk.current, at])
-            target_at = jnp.where(
-                walk.updated, walk.target[at] / walk.target_mass, raw_target
-            )
-            draft_at = jnp.where(
-                walk.updated & (draft_probs is not None), walk.draft[at], raw_draft
-            )
-            walk = eqx.tree_at(
-                lambda w: (w.bad_target, w.bad_draft),
-                walk,
-                (
-                    walk.bad_target | not_a_probability(raw_target),
-                    walk.bad_draft | not_a_probability(raw_draft),
-                ),
-            )
-            passed = accept_uniforms[b, j] * draft_at < target_at
-            return jax.lax.cond(passed, accept, reject, j, token, walk)
-
-        def accept(j, token, walk: TreeWalk) -> TreeWalk:
-            # int32 whatever the loop's index type (int64 under x64).
-            node = (j + 1).astype(jnp.int32)
-            return eqx.tree_at(
-                lambda w: (w.current, w.depth, w.updated, w.path_tokens, w.path_nodes),
-                walk,
-                (
-                    node,
-                    walk.depth + 1,
-                    jnp.array(False),
-                    walk.path_tokens.at[walk.depth].set(token),
-                    walk.path_nodes.at[walk.depth].set(node),
-                ),
-            )
-
-        def reject(j, token, walk: TreeWalk) -> TreeWalk:
-            del j
-            own_target = target_row(walk.current)
-            own_draft = draft_row(walk.current, token)
-            # Both rows here are normalised: the node's own rows as given, or what
-            # the children before left, divided by its mass.
-            target = jnp.where(walk.updated, walk.target / walk.target_mass, own_target)
-            if draft_probs is None:
-                draft = own_draft
-            else:
-                draft = jnp.where(walk.updated, walk.draft, own_draft)
-            left, draft = self.siblings(target, draft, token)
-            # A difference of two normal numbers can be subnormal: it counts as zero.
-            left = flush_subnormal(left)
-            mass = ordered_row_sums(left, None)
-            fallback = mass == 0
-            left = jnp.where(fallback, own_target, left)
-            mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
-            draft_mass = ordered_row_sums(draft, None)
-            draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
-            # The node's rows as given are checked whole at its first failed test:
-            # a bad value anywhere in them would reach the draw.
-            first = ~walk.updated
-            return eqx.tree_at(
-                lambda w: (
-                    w.updated,
-                    w.target,
-                    w.target_mass,
-                    w.draft,
-                    w.bad_target_row,
-                    w.bad_draft_row,
-                    w.overflow,
-                ),
-                walk,
-                (
-                    jnp.array(True),
-                    left,
-                    mass,
-                    draft,
-                    walk.bad_target_row
-                    | (first & holds_bad_values(own_target, axis=None)),
-                    walk.bad_draft_row
-                    | (first & holds_bad_values(own_draft, axis=None)),
-                    walk.overflow | jnp.isinf(mass),
-                ),
-            )
-
-        start = start_walk(vocab, dtype, max_depth)
-        return jax.lax.fori_loop(0, parents.shape[1], visit, start)
 
 
 def _check_tree_structure(

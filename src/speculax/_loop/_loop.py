@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ._checks import check_static_int
-from ._input_array import InputArray
-from ._numerics import as_index, index_array
-from ._random import KeyArray, row_keys
-from ._sampling import InverseCDF
-from ._step import SpeculativeStep
+from .._chain._step import SpeculativeStep
+from .._core._checks import check_static_int
+from .._core._numerics import as_index, index_array
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray, row_keys
+from .._pieces._sampling import InverseCDF
 
 
 LanguageModel: TypeAlias = Callable[

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._numerics import flush_subnormal, upcast
+from .._core._numerics import flush_subnormal, upcast
+from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums, probs_at_tokens
 from ._stopping_rows import summary_loops_over_rows
-from ._vocab_axis import one_hot_over_vocab, ordered_row_sums, probs_at_tokens
 
 
 def path_acceptance(

@@ -4,28 +4,28 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from ._acceptance import (
-    AbstractAcceptance,
-    BlockAcceptance,
-    GreedyAcceptance,
-    RatioAcceptance,
-)
-from ._checks import check_structure
-from ._draw import draw_token
-from ._failures import (
+from .._core._checks import check_structure
+from .._core._failures import (
     RESULTS,
     first_failure,
     input_failures,
     report_failures,
     sampled_failure,
 )
-from ._input_array import InputArray
-from ._numerics import as_index, index_array
-from ._prefix import AbstractPrefixCount, LastPassCount, PrefixCount
-from ._random import KeyArray, uniforms
-from ._residual import AbstractResidual, BlockResidual, Residual, TargetRow
-from ._sampling import AbstractSampler, Argmax, InverseCDF
-from ._vocab_axis import full_vocab
+from .._core._numerics import as_index, index_array
+from .._core._vocab_axis import full_vocab
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray, uniforms
+from .._pieces._acceptance import (
+    AbstractAcceptance,
+    BlockAcceptance,
+    GreedyAcceptance,
+    RatioAcceptance,
+)
+from .._pieces._prefix import AbstractPrefixCount, LastPassCount, PrefixCount
+from .._pieces._residual import AbstractResidual, BlockResidual, Residual, TargetRow
+from .._pieces._sampling import AbstractSampler, Argmax, InverseCDF
+from ._draw import draw_token
 
 
 class StepOutput(TypedDict):

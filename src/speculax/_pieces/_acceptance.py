@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._block import block_continuation, continuation_masses, path_acceptance
-from ._numerics import upcast
-from ._vocab_axis import (
+from .._core._numerics import upcast
+from .._core._vocab_axis import (
     first_argmax_over_vocab,
     ordered_row_sums,
     probs_at_tokens,
 )
+from ._block import block_continuation, continuation_masses, path_acceptance
 
 
 # Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type

@@ -12,9 +12,9 @@ import numpy as np
 
 
 if TYPE_CHECKING:
-    from ._failures import RESULTS
-    from ._random import KeyArray
-    from ._step import StepOutput
+    from .._chain._step import StepOutput
+    from .._core._failures import RESULTS
+    from .._inputs._random import KeyArray
 
 INPUT_NAMES = (
     "draft_tokens",
@@ -34,7 +34,7 @@ class InputError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `speculax` command line; returns the exit status."""
-    from . import __version__
+    from .. import __version__
     from ._bench import DTYPES, VARIANTS
 
     parser = argparse.ArgumentParser(
@@ -188,8 +188,8 @@ def step_json(inputs: Any) -> dict[str, list]:
     `InputError` with a one-line message for anything that is not a valid input; for
     bad values, the first failing row and its [`speculax.RESULTS`][] message.
     """
-    from ._failures import failure_messages
-    from ._numerics import index_array
+    from .._core._failures import failure_messages
+    from .._core._numerics import index_array
 
     if not isinstance(inputs, dict):
         raise InputError(
@@ -231,7 +231,7 @@ def step_json(inputs: Any) -> dict[str, list]:
 def _reporting_step() -> Callable[..., tuple["StepOutput", "RESULTS"]]:
     import equinox as eqx
 
-    from ._step import SpeculativeStep
+    from .._chain._step import SpeculativeStep
 
     return eqx.filter_jit(SpeculativeStep(throw=False).with_result)
 
@@ -263,7 +263,7 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     except (ValueError, TypeError, OverflowError, RecursionError):
         raise not_numbers from None
     if name == "draft_tokens":
-        from ._numerics import host_integers
+        from .._core._numerics import host_integers
 
         if array.size == 0:
             return array.astype(np.int32)
@@ -305,8 +305,8 @@ def _demo() -> int:
     import jax
     import jax.numpy as jnp
 
+    from .._chain._step import speculative_step
     from ._examples import WORKED_EXAMPLES
-    from ._step import speculative_step
 
     print("speculax demo: the worked examples of the specification\n")
     all_matched = True

@@ -1,0 +1,84 @@
+"""Sibling rules: what a rejected child of a draft tree leaves for the next one.
+See `docs/trees.md`."""
+
+import abc
+from typing import final
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+class AbstractSiblingRule(eqx.Module):
+    """What a rejected child leaves for its next sibling: the distributions that the
+    next child of the same node is tested against, and, if every child fails, the one
+    the token is drawn from.
+
+    At a node with target distribution $p$ and draft distribution $q$, a child $c$
+    passes when $u_c \\, q(c) < p(c)$. When it fails, the rule returns the new
+    $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
+    depends on how the children were drawn: the rule must match the drafter.
+
+    The concrete rules are final: to change one, wrap it in a piece of your own.
+    """
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        """**Arguments:**
+
+        - `target`: $p$, the node's current target distribution, normalised, in the
+            arithmetic dtype; for [`speculax.TraversalStep`][] times $\\alpha$, the
+            probability of keeping the path to the node, so that what it leaves has
+            mass $r$.
+        - `draft`: $q$, the node's current draft distribution, normalised; for
+            deterministic drafts the one-hot of the rejected token.
+        - `rejected`: $c$, the token of the child that failed.
+
+        **Returns:**
+
+        The unnormalised $(p', q')$ for the next sibling, non-negative, of shape
+        `(vocab,)`. A $p'$ with no mass makes the step fall back to the node's target
+        row.
+        """
+
+
+@final
+class IndependentSiblings(AbstractSiblingRule):
+    """For children drawn independently from $q$ (with replacement, as SpecInfer
+    does): $p' = \\max(p - q, 0)$ and $q' = q$, the multi-step speculative sampling
+    of SpecInfer. Also the rule for deterministic drafts (`draft_probs=None`), where
+    $q$ is the one-hot of each child in turn and $p'$ is $p$ with the child taken
+    out: the target-only rule of SGLang and TensorRT-LLM.
+    """
+
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        del rejected
+        return jnp.maximum(target - draft, 0), draft
+
+
+@final
+class SiblingsWithoutReplacement(AbstractSiblingRule):
+    """For children drawn from $q$ without replacement (one after another, each from
+    $q$ renormalised without the ones before: Gumbel-top-k, stochastic beam search):
+    $p' = \\max(p - q, 0)$ and $q'$ is $q$ without the rejected token, the recursive
+    rejection sampling of Jeon et al. (2024).
+    """
+
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        others = jnp.arange(draft.shape[-1]) != rejected
+        return jnp.maximum(target - draft, 0), jnp.where(others, draft, 0)
