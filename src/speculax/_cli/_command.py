@@ -34,8 +34,22 @@ class InputError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `speculax` command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        if args.loop:
+            return _demo_loop(
+                args.num_draft, args.max_new_tokens, args.batch_size, args.repeats
+            )
+        return _demo()
+    if args.command == "bench":
+        return _bench(args.sizes, args.repeats, args.json)
+    return _run_command(args.file)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser of the command line, with one subcommand each for `demo`, `run`
+    and `bench`."""
     from .. import __version__
-    from ._bench import DTYPES, VARIANTS
 
     parser = argparse.ArgumentParser(
         prog="speculax",
@@ -45,6 +59,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--version", action="version", version=f"%(prog)s {__version__}"
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo_parser(commands)
+    run_parser = commands.add_parser(
+        "run",
+        help="run one step on a JSON object of the five inputs, or of three and a "
+        "seed for the uniforms",
+    )
+    run_parser.add_argument(
+        "file", nargs="?", help="JSON file to read (default: standard input)"
+    )
+    _add_bench_parser(commands)
+    return parser
+
+
+def _add_demo_parser(commands: Any) -> None:
+    """The `demo` subcommand and its `--loop` options."""
     demo_parser = commands.add_parser(
         "demo",
         help="run the worked examples of the specification and a random batch; with "
@@ -83,14 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=5,
         help="with --loop: timed runs per batch (median; default: 5)",
     )
-    run_parser = commands.add_parser(
-        "run",
-        help="run one step on a JSON object of the five inputs, or of three and a "
-        "seed for the uniforms",
-    )
-    run_parser.add_argument(
-        "file", nargs="?", help="JSON file to read (default: standard input)"
-    )
+
+
+def _add_bench_parser(commands: Any) -> None:
+    """The `bench` subcommand."""
+    from ._bench import DTYPES, VARIANTS
+
     bench_parser = commands.add_parser(
         "bench",
         help="time the default step against the obvious implementation and the floor",
@@ -110,25 +137,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_parser.add_argument(
         "--json", action="store_true", help="print machine-readable JSON"
     )
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.loop:
-            return _demo_loop(
-                args.num_draft, args.max_new_tokens, args.batch_size, args.repeats
-            )
-        return _demo()
-    if args.command == "bench":
-        from ._bench import Size, main as bench_main
 
-        try:
-            for text in args.sizes or ():
-                Size.parse(text)
-        except ValueError as error:
-            print(f"speculax bench: error: {error}", file=sys.stderr)
-            return 2
-        return bench_main(args.sizes, max(args.repeats, 1), args.json)
+
+def _bench(sizes: list[str] | None, repeats: int, as_json: bool) -> int:
+    """`speculax bench`: every size checked before anything is timed."""
+    from ._bench import Size, main as bench_main
+
     try:
-        print(_run(args.file))
+        for text in sizes or ():
+            Size.parse(text)
+    except ValueError as error:
+        print(f"speculax bench: error: {error}", file=sys.stderr)
+        return 2
+    return bench_main(sizes, max(repeats, 1), as_json)
+
+
+def _run_command(path: str | None) -> int:
+    """`speculax run`: the step's output as JSON on standard output, or one line on
+    standard error and exit status 2."""
+    try:
+        print(_run(path))
     except InputError as error:
         print(f"speculax run: error: {error}", file=sys.stderr)
         return 2
