@@ -12,15 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._chain._step import SpeculativeStep
-from .._loop._loop import (
-    ACCEPT,
-    DRAFT,
-    SAMPLE,
-    LanguageModel,
-    LoopState,
-    SpeculativeLoop,
-    model_probs,
-)
+from .._loop._keys import ACCEPT, DRAFT, SAMPLE
+from .._loop._loop import SpeculativeLoop
+from .._loop._model import LanguageModel, model_probs
+from .._loop._state import LoopState
 from ._chain import (
     acceptance_thresholds,
     in_chunks,
