@@ -29,17 +29,16 @@ from ._inputs._tree_formats import (
 )
 from ._logits._probs import probs_from_logits as probs_from_logits
 from ._logits._step import LogitsStep as LogitsStep
-from ._loop._loop import (
+from ._loop._keys import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,
     SAMPLE as SAMPLE,
     AbstractKeySchedule as AbstractKeySchedule,
     FoldInKeys as FoldInKeys,
-    LanguageModel as LanguageModel,
-    LoopOutput as LoopOutput,
-    LoopState as LoopState,
-    SpeculativeLoop as SpeculativeLoop,
 )
+from ._loop._loop import SpeculativeLoop as SpeculativeLoop
+from ._loop._model import LanguageModel as LanguageModel
+from ._loop._state import LoopOutput as LoopOutput, LoopState as LoopState
 from ._pieces._acceptance import (
     AbstractAcceptance as AbstractAcceptance,
     BlockAcceptance as BlockAcceptance,

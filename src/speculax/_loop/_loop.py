@@ -1,149 +1,21 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
-import abc
-from collections.abc import Callable
-from typing import Any, TypeAlias, TypedDict, final
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Key
+from jaxtyping import Array, Float, Int, Key
 
 from .._chain._step import SpeculativeStep
 from .._core._checks import check_static_int
 from .._core._numerics import as_index, index_array
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
-from .._pieces._sampling import InverseCDF
-
-
-LanguageModel: TypeAlias = Callable[
-    [Int[Array, "batch time"], Int[Array, "batch positions"]],
-    Float[Array, "batch positions vocab"],
-]
-"""A model as the loop calls it: `model(tokens, positions)`, where `tokens` is an
-int32 `(B, T)` buffer of token histories and `positions` an int32 `(B, K)` array of
-positions in it, returns float `(B, K, V)` logits, entry `[b, k]` those of the token
-that follows `tokens[b, :positions[b, k] + 1]`. It must read only the tokens at or
-before each position: the buffer holds anything past them."""
-
-DRAFT = 0
-"""The stream of the key schedule that draws the draft tokens: $G$ uniforms a step,
-draft token $i$ drawn from $q_i$ by inverse CDF with uniform $i$."""
-ACCEPT = 1
-"""The stream of the key schedule that draws the acceptance tests' uniforms $u_i$:
-$G$ a step."""
-SAMPLE = 2
-"""The stream of the key schedule that draws the uniform $s$ of the correction or
-bonus token: one a step, at position 0."""
-
-
-class AbstractKeySchedule(eqx.Module):
-    """Which PRNG key each random number of the loop is drawn from.
-
-    In step $t$ the loop reads, per row, the uniforms of three streams: `DRAFT`
-    ($G$ of them, one per draft token, drawn by inverse CDF from $q_i$), `ACCEPT`
-    ($G$, the acceptance tests' $u_i$) and `SAMPLE` (one, the drawn token's $s$).
-    Each is `jax.random.uniform(schedule(row_key, t, stream, i))`. The loop is
-    lossless only if no two of these keys are equal: a reused key gives the same
-    number twice, and the two uses are then not independent.
-
-    Subclass it to try another schedule, an engine's for instance, and check it with
-    [`speculax.testing.loop_output_distribution`][], which treats uses with equal
-    keys as one random number.
-    """
-
-    @abc.abstractmethod
-    def __call__(
-        self,
-        row_key: Key[Array, ""],
-        step: Int[Array, ""],
-        stream: int,
-        position: Int[Array, ""],
-    ) -> Key[Array, ""]:
-        """**Arguments:**
-
-        - `row_key`: the row's key, a typed scalar key.
-        - `step`: $t$, the step number, from 0.
-        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), a Python int.
-        - `position`: $i$, the draft position, in `[0, G)`; 0 for `SAMPLE`.
-
-        **Returns:**
-
-        The typed scalar key of that uniform.
-        """
-
-
-@final
-class FoldInKeys(AbstractKeySchedule):
-    """The default schedule: the uniform of stream $c$ at position $i$ in step $t$ is
-    drawn from `fold_in(fold_in(fold_in(row_key, t), c), i)`.
-
-    Distinct $(t, c, i)$ give distinct keys, so no random number is used twice: not
-    across steps (a fixed key per position would repeat the noise of the previous
-    step), and not across streams (the draft's noise reused for the acceptance test
-    would bias it towards accepting). The row's own key is the root, so a row's
-    tokens do not depend on the batch it runs in.
-    """
-
-    def __call__(
-        self,
-        row_key: Key[Array, ""],
-        step: Int[Array, ""],
-        stream: int,
-        position: Int[Array, ""],
-    ) -> Key[Array, ""]:
-        fold_in = jax.random.fold_in
-        return fold_in(fold_in(fold_in(row_key, step), stream), position)
-
-
-class LoopOutput(TypedDict):
-    """What [`speculax.SpeculativeLoop`][] returns: a plain `dict` with these keys,
-    for $B$ rows, at most $N$ new tokens each.
-
-    - `tokens`: int32 `(B, N)`, the generated tokens of each row, the end token
-        included, then `-1`.
-    - `num_tokens`: int32 `(B,)`, the number of generated tokens.
-    - `num_steps`: int32 `(B,)`, the number of steps the row took, which is the number
-        of target calls it needed.
-    - `num_accepted`: int32 `(B, N)`, entry $[b, t]$ the number of draft tokens the
-        step accepted for row $b$ in step $t$ (before the cut at $N$ tokens or
-        after the end token), then `-1` once the row has finished.
-    - `num_target_calls`: int32 scalar, the number of (batched) calls of the target
-        model, the largest of `num_steps`.
-    """
-
-    tokens: Int[Array, "batch new"]
-    num_tokens: Int[Array, " batch"]
-    num_steps: Int[Array, " batch"]
-    num_accepted: Int[Array, "batch new"]
-    num_target_calls: Int[Array, ""]
-
-
-@final
-class LoopState(eqx.Module):
-    """The carry of [`speculax.SpeculativeLoop`][] from one step to the next, for
-    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts.
-
-    - `buffer`: int32 `(B, P + N + G + 1)`, each row's prompt and the tokens
-        generated so far, its first `length` entries; past them it holds the last
-        step's drafts or padding.
-    - `prompt_length`: int32 `(B,)`, where each row's generated tokens begin.
-    - `length`: int32 `(B,)`, the length of each row's history.
-    - `done`: bool `(B,)`, whether the row has finished.
-    - `num_steps`: int32 `(B,)`, the steps the row has taken.
-    - `num_accepted`: int32 `(B, N)`, the draft tokens the step accepted in each
-        step, `-1` for steps not taken.
-    - `step`: int32 scalar, the number of steps taken by the batch.
-    """
-
-    buffer: Int[Array, "batch time"]
-    prompt_length: Int[Array, " batch"]
-    length: Int[Array, " batch"]
-    done: Bool[Array, " batch"]
-    num_steps: Int[Array, " batch"]
-    num_accepted: Int[Array, "batch new"]
-    step: Int[Array, ""]
+from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
+from ._model import LanguageModel
+from ._round import append_verified, draft_chain, score_chain
+from ._state import LoopOutput, LoopState
 
 
 @final
@@ -276,32 +148,14 @@ class SpeculativeLoop(eqx.Module):
         the wrong shape or dtype, or a bad key; an Equinox runtime error for a
         prompt length outside `[1, P]` or a value the step's checks reject.
         """
-        prompt = index_array(prompt)
-        if prompt.ndim != 2 or prompt.shape[1] < 1:
-            raise ValueError(
-                f"prompt must have shape (B, P) with P >= 1; got shape {prompt.shape}"
-            )
-        batch, prompt_width = prompt.shape
-        if prompt_lengths is None:
-            prompt_lengths = jnp.full((batch,), prompt_width, jnp.int32)
-        prompt_lengths = index_array(prompt_lengths)
-        if prompt_lengths.shape != (batch,):
-            raise ValueError(
-                f"prompt_lengths must have shape ({batch},), one per prompt; got shape "
-                f"{prompt_lengths.shape}"
-            )
-        for name, array in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
-            if not jnp.issubdtype(array.dtype, jnp.integer):
-                raise TypeError(
-                    f"{name} must be an integer array; got dtype {array.dtype}"
-                )
+        prompt, prompt_lengths = _index_inputs(prompt, prompt_lengths)
         return _generate(
             self,
             draft_model,
             target_model,
-            as_index(prompt),
-            as_index(prompt_lengths),
-            row_keys(key, batch),
+            prompt,
+            prompt_lengths,
+            row_keys(key, prompt.shape[0]),
         )
 
     def start(
@@ -398,69 +252,15 @@ class SpeculativeLoop(eqx.Module):
         The [`speculax.LoopState`][] after the step. A finished row keeps its
         history and counts (its buffer past the history takes the step's drafts).
         """
-        batch = state.buffer.shape[0]
-        rows = jnp.arange(batch)
-        last = state.length - 1
-        logits_shape = jax.eval_shape(draft_model, state.buffer, last[:, None])
-
-        def draft(i: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
-            buffer, draft_probs = carry
-            logits = draft_model(buffer, (last + i)[:, None])[:, 0]
-            # The same rows are drawn from and given to the step: q_i is one array.
-            probs = model_probs(logits)
-            token = InverseCDF()(probs, draft_uniforms[:, i])
-            buffer = buffer.at[rows, state.length + i].set(token)
-            return buffer, draft_probs.at[:, i].set(probs)
-
-        draft_probs = jnp.zeros(
-            (batch, self.num_draft, logits_shape.shape[-1]),
-            probs_dtype(logits_shape.dtype),
+        buffer, draft_tokens, draft_probs = draft_chain(
+            draft_model, state, draft_uniforms, self.num_draft
         )
-        buffer = state.buffer
-        # Traced even for zero iterations, where there is no uniform to index.
-        if self.num_draft > 0:
-            buffer, draft_probs = jax.lax.fori_loop(
-                0, self.num_draft, draft, (buffer, draft_probs)
-            )
-        offsets = jnp.arange(self.num_draft + 1)
-        target_probs = model_probs(target_model(buffer, last[:, None] + offsets))
-        draft_tokens = jnp.take_along_axis(
-            buffer, state.length[:, None] + offsets[:-1], axis=1
-        )
-        out = self.step(
+        target_probs = score_chain(target_model, buffer, state.length, self.num_draft)
+        verified = self.step(
             draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
         )
-
-        # The step's tokens are the kept drafts, then the drawn token: as many as
-        # fit in the row's remaining room, cut after the end token.
-        room = self.max_new_tokens - (state.length - state.prompt_length)
-        count = jnp.minimum(out["num_accepted"] + 1, room)
-        ended = jnp.zeros((batch,), jnp.bool_)
-        if self.end_token is not None:
-            is_end = (out["tokens"] == self.end_token) & (offsets < count[:, None])
-            ended = is_end.any(axis=1)
-            count = jnp.where(ended, jnp.argmax(is_end, axis=1) + 1, count)
-        active = ~state.done
-        count = jnp.where(active, count, 0)
-        written = jnp.where(
-            offsets < count[:, None],
-            out["tokens"],
-            jnp.take_along_axis(buffer, state.length[:, None] + offsets, axis=1),
-        )
-        buffer = buffer.at[rows[:, None], state.length[:, None] + offsets].set(written)
-        length = state.length + count
-        return LoopState(
-            buffer=buffer,
-            prompt_length=state.prompt_length,
-            length=length,
-            done=state.done
-            | (active & ended)
-            | (length - state.prompt_length >= self.max_new_tokens),
-            num_steps=state.num_steps + active,
-            num_accepted=state.num_accepted.at[:, state.step].set(
-                jnp.where(active, out["num_accepted"], -1)
-            ),
-            step=state.step + 1,
+        return append_verified(
+            state, buffer, verified, self.max_new_tokens, self.end_token
         )
 
     def output(self, state: LoopState) -> LoopOutput:
@@ -488,25 +288,30 @@ class SpeculativeLoop(eqx.Module):
         }
 
 
-def probs_dtype(logits_dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype the loop computes a model's probabilities in: JAX's default float
-    (float32, float64 under x64), or the logits' own dtype if wider.
-
-    Never half precision: a softmax computed in bfloat16 has rows that miss 1 by a
-    few parts in a thousand (in float16, a few in ten thousand), and the draft
-    would be drawn from the normalised row while the step reads the row as it is,
-    which moves the output's distribution. Under x64 it is float64 whatever the
-    logits' dtype, so that [`speculax.testing.loop_output_distribution`][] finds
-    the loop exact to float64 rounding for any model.
-    """
-    return jnp.promote_types(logits_dtype, jnp.result_type(float))
-
-
-def model_probs(logits: Float[Array, "*rows vocab"]) -> Float[Array, "*rows vocab"]:
-    """The softmax of a model's logits along the last axis, computed in
-    `probs_dtype`: $q_i$ for the draft model, $p_i$ for the target, the one rule
-    shared by the loop and its exact enumeration."""
-    return jax.nn.softmax(logits.astype(probs_dtype(logits.dtype)), axis=-1)
+def _index_inputs(
+    prompt: InputArray, prompt_lengths: InputArray | None
+) -> tuple[Int[Array, "batch prompt"], Int[Array, " batch"]]:
+    """The prompt and its lengths as int32 `(B, P)` and `(B,)` arrays (lengths $P$
+    where `None`), after checking their shapes and dtypes, with errors that name
+    them."""
+    prompt = index_array(prompt)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(
+            f"prompt must have shape (B, P) with P >= 1; got shape {prompt.shape}"
+        )
+    batch, prompt_width = prompt.shape
+    if prompt_lengths is None:
+        prompt_lengths = jnp.full((batch,), prompt_width, jnp.int32)
+    prompt_lengths = index_array(prompt_lengths)
+    if prompt_lengths.shape != (batch,):
+        raise ValueError(
+            f"prompt_lengths must have shape ({batch},), one per prompt; got shape "
+            f"{prompt_lengths.shape}"
+        )
+    for name, array in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array; got dtype {array.dtype}")
+    return as_index(prompt), as_index(prompt_lengths)
 
 
 @eqx.filter_jit
@@ -518,6 +323,8 @@ def _generate(
     prompt_length: Int[Array, " batch"],
     row_key: Key[Array, " batch"],
 ) -> LoopOutput:
+    """The loop under `jit`: checks the prompt's lengths and tokens and the end token
+    against the vocabulary, then advances every row until all are done."""
     prompt_length = eqx.error_if(
         prompt_length,
         (prompt_length < 1) | (prompt_length > prompt.shape[1]),

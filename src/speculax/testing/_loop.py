@@ -1,58 +1,28 @@
-"""Exact output distributions of the speculative sampling loop, by enumeration of the
-cells of its random numbers."""
+"""Exact output distributions of the speculative sampling loop: step after step, the
+cells of its random numbers (from `_loop_cells`) run through the loop's own step, and
+the target's distribution, sampled one token at a time, to compare them with."""
 
-import itertools
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._chain._step import SpeculativeStep
-from .._loop._loop import (
-    ACCEPT,
-    DRAFT,
-    SAMPLE,
-    LanguageModel,
-    LoopState,
-    SpeculativeLoop,
-    model_probs,
+from .._loop._keys import ACCEPT, DRAFT, SAMPLE
+from .._loop._loop import SpeculativeLoop
+from .._loop._model import LanguageModel, model_probs
+from .._loop._state import LoopState
+from ._chain import in_chunks
+from ._loop_cells import (
+    Constraints,
+    Leaf,
+    Name,
+    States,
+    history_buffer,
+    step_leaves,
 )
-from ._chain import (
-    acceptance_thresholds,
-    in_chunks,
-    refuse_sampler,
-    residual_weights,
-    sampler_cells,
-)
-
-
-# A random number of the loop, named by the data of the key it is drawn from: two
-# uses with equal keys read the same number.
-Name: TypeAlias = tuple[int, ...]
-# What is known of the random numbers still to be read again: each lies in an
-# interval [lo, hi), independently of the others.
-Constraints: TypeAlias = frozenset[tuple[Name, tuple[float, float]]]
-_MAX_LEAVES = 2_000_000
-
-
-class _Leaf(NamedTuple):
-    """One cell of one step's random numbers: the state it starts from, its
-    probability, the interval of each number and the number each use reads, and
-    what the step does there: the drafts, the number kept and the token drawn."""
-
-    state: int
-    probability: float
-    intervals: dict[Name, tuple[float, float]]
-    draft_uniforms: list[float]
-    accept_uniforms: list[float]
-    sample_uniform: float
-    drafts: tuple[int, ...]
-    num_accepted: int
-    sampled: int
 
 
 def loop_output_distribution(
@@ -144,7 +114,7 @@ def loop_output_distribution(
                 for name in stream
             }
             state_list = list(states.items())
-            leaves = _leaves(
+            leaves = step_leaves(
                 loop, draft_model, target_model, prompt, state_list, names[step]
             )
             generated, num_accepted, done = _outcomes(
@@ -208,7 +178,7 @@ def target_output_distribution(
     with jax.enable_x64(True):
         for _ in range(max_new_tokens):
             histories = [prompt + generated for generated in states]
-            buffer, lengths = _buffer(histories, len(prompt) + max_new_tokens)
+            buffer, lengths = history_buffer(histories, len(prompt) + max_new_tokens)
             (probs,) = in_chunks(
                 lambda *rows: _next_token_probs(target_model, *rows), buffer, lengths
             )
@@ -284,154 +254,9 @@ def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
     }
 
 
-def _buffer(
-    histories: Sequence[tuple[int, ...]], width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The histories as the rows of a zero-padded buffer, and their lengths."""
-    buffer = np.zeros((len(histories), width), np.int32)
-    for row, history in enumerate(histories):
-        buffer[row, : len(history)] = history
-    lengths = np.array([len(history) for history in histories], np.int32)
-    return buffer, lengths
-
-
-def _leaves(
-    loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
-    prompt: tuple[int, ...],
-    states: list[tuple[tuple[tuple[int, ...], Constraints], float]],
-    names: dict[int, list[Name]],
-) -> list[_Leaf]:
-    """Every cell of one step's random numbers, from each state, with positive
-    probability."""
-    num_draft = loop.num_draft
-    vocab = jax.eval_shape(
-        target_model,
-        jax.ShapeDtypeStruct((1, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, 1), jnp.int32),
-    ).shape[-1]
-    sequences = np.array(
-        list(itertools.product(range(vocab), repeat=num_draft)), np.int32
-    ).reshape(vocab**num_draft, num_draft)
-    if len(states) * len(sequences) * 2**num_draft * vocab > _MAX_LEAVES:
-        raise ValueError(
-            f"{len(states)} states x V^G draft sequences x 2^G verdicts x V tokens "
-            f"(V = {vocab}, G = {num_draft}) is more than {_MAX_LEAVES} cells to "
-            "enumerate in one step"
-        )
-    rows = [
-        (state, sequence)
-        for state in range(len(states))
-        for sequence in range(len(sequences))
-    ]
-    histories = [
-        prompt + states[state][0][0] + tuple(sequences[sequence].tolist())
-        for state, sequence in rows
-    ]
-    buffer, lengths = _buffer(
-        histories, len(prompt) + loop.max_new_tokens + num_draft + 1
-    )
-    draft_probs, thresholds, monotone, weights = in_chunks(
-        lambda *rows: _run_step_pieces(loop, draft_model, target_model, *rows),
-        buffer,
-        lengths,
-        sequences[[sequence for _, sequence in rows]],
-    )
-    counts = np.asarray(_prefix_counts(loop.step, num_draft))
-    draft_cdf = _cdf(draft_probs.astype(np.float64))
-    weights = weights.astype(np.float64)
-    # The cells of s for every row and stopping position, from the sampler itself.
-    sampler = loop.step.sampler
-    cells = sampler_cells(sampler, weights.reshape(-1, vocab))
-    patterns = list(itertools.product([True, False], repeat=num_draft))
-
-    leaves = []
-    for row, (state, sequence) in enumerate(rows):
-        (_, constraints), probability = states[state]
-        drafted = _narrowed(
-            dict(constraints),
-            probability,
-            [
-                (
-                    names[DRAFT][i],
-                    draft_cdf[row, i, token],
-                    draft_cdf[row, i, token + 1],
-                )
-                for i, token in enumerate(sequences[sequence])
-            ],
-        )
-        if drafted is None:
-            continue
-        if not monotone[row].all():
-            raise ValueError(
-                "loop.step.acceptance is not monotone in the uniform: a position "
-                "passes at some u above the threshold found by bisection or fails at "
-                "some u below it"
-            )
-        for pattern in patterns:
-            tested = _narrowed(
-                *drafted,
-                [
-                    (name, 0.0, threshold) if passed else (name, threshold, 1.0)
-                    for name, threshold, passed in zip(
-                        names[ACCEPT], thresholds[row], pattern, strict=True
-                    )
-                ],
-            )
-            if tested is None:
-                continue
-            count = int(counts[patterns.index(pattern)])
-            residual = weights[row, count]
-            if not (np.all(np.isfinite(residual) & (residual >= 0)) and residual.sum()):
-                raise ValueError(
-                    "loop.step.residual returned weights that are negative, not "
-                    "finite or without positive mass, in a state reached with "
-                    "positive probability"
-                )
-            cell = row * (num_draft + 1) + count
-            if not cells.valid[cell]:
-                raise refuse_sampler("loop.step.sampler", sampler, cells, cell)
-            # A sampler that reads no uniform (Argmax) leaves s unconstrained.
-            draws = [
-                (
-                    int(token),
-                    [(names[SAMPLE][0], low, high)] if sampler.reads_uniforms else [],
-                )
-                for low, high, token in zip(
-                    cells.lows[cell], cells.highs[cell], cells.tokens[cell], strict=True
-                )
-                if high > low
-            ]
-            for token, uses in draws:
-                sampled = _narrowed(*tested, uses)
-                if sampled is None:
-                    continue
-                intervals, leaf_probability = sampled
-
-                def middle(name: Name, intervals=intervals) -> float:
-                    low, high = intervals.get(name, (0.0, 1.0))
-                    return (low + high) / 2
-
-                leaves.append(
-                    _Leaf(
-                        state,
-                        leaf_probability,
-                        intervals,
-                        [middle(name) for name in names[DRAFT]],
-                        [middle(name) for name in names[ACCEPT]],
-                        middle(names[SAMPLE][0]),
-                        tuple(sequences[sequence].tolist()),
-                        count,
-                        token,
-                    )
-                )
-    return leaves
-
-
 def _check_outcome(
     loop: SpeculativeLoop,
-    leaf: _Leaf,
+    leaf: Leaf,
     before: tuple[int, ...],
     after: tuple[int, ...],
     num_accepted: int,
@@ -468,80 +293,13 @@ def _check_outcome(
     )
 
 
-def _narrowed(
-    intervals: dict[Name, tuple[float, float]],
-    probability: float,
-    uses: list[tuple[Name, float, float]],
-) -> tuple[dict[Name, tuple[float, float]], float] | None:
-    """The intervals and probability after each named number is found to lie in
-    `[low, high)`, one use after another; `None` when a use leaves no room.
-
-    Each number is uniform on its interval and independent of the others, so
-    narrowing one multiplies the probability by the fraction of its interval kept.
-    """
-    intervals = dict(intervals)
-    for name, low, high in uses:
-        old_low, old_high = intervals.get(name, (0.0, 1.0))
-        new_low, new_high = max(old_low, low), min(old_high, high)
-        if new_high <= new_low:
-            return None
-        probability *= (new_high - new_low) / (old_high - old_low)
-        intervals[name] = (new_low, new_high)
-    return intervals, probability
-
-
-def _cdf(weights: np.ndarray) -> np.ndarray:
-    """The edges of each token's cell under inverse-CDF sampling: entry $v$ and
-    $v + 1$ of the last axis bound the uniforms that draw $v$."""
-    total = np.sum(weights, axis=-1, keepdims=True)
-    cumulative = np.cumsum(weights, axis=-1) / np.where(total > 0, total, 1)
-    return np.concatenate([np.zeros_like(total), cumulative], axis=-1)
-
-
-@eqx.filter_jit
-def _run_step_pieces(
-    loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
-    buffer: jax.Array,
-    length: jax.Array,
-    draft_tokens: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """For histories whose last $G$ tokens are the drafts, the draft probabilities,
-    and the pieces of `loop.step` on them: the acceptance thresholds, whether they
-    are consistent, and the residual weights at every stopping position."""
-    step = loop.step
-    rows, num_draft = draft_tokens.shape
-    positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    draft_probs = model_probs(draft_model(buffer, positions[:, :-1]))
-    target_probs = model_probs(target_model(buffer, positions))
-    if num_draft:
-        thresholds, monotone = acceptance_thresholds(
-            step.acceptance, draft_tokens, draft_probs, target_probs
-        )
-    else:
-        thresholds = jnp.zeros((rows, 0), jnp.float64)
-        monotone = jnp.ones((rows, 0), jnp.bool_)
-    weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
-    return draft_probs, thresholds, monotone, weights
-
-
-def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
-    """The prefix count of every pattern of verdicts, in the order of
-    `itertools.product([True, False])`."""
-    patterns = jnp.array(
-        list(itertools.product([True, False], repeat=num_draft)), jnp.bool_
-    ).reshape(2**num_draft, num_draft)
-    return step.prefix(patterns)
-
-
 def _outcomes(
     loop: SpeculativeLoop,
     draft_model: LanguageModel,
     target_model: LanguageModel,
     prompt: tuple[int, ...],
-    states: list[tuple[tuple[tuple[int, ...], Constraints], float]],
-    leaves: list[_Leaf],
+    states: States,
+    leaves: list[Leaf],
     step: int,
 ) -> tuple[list[tuple[int, ...]], list[int], list[bool]]:
     """Runs the loop's own step on every leaf, at the leaf's uniforms, and reads the
@@ -550,7 +308,7 @@ def _outcomes(
     if not leaves:
         return [], [], []
     batch, num_draft = len(leaves), loop.num_draft
-    buffer, lengths = _buffer(
+    buffer, lengths = history_buffer(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
     )

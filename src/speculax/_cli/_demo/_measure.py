@@ -6,7 +6,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from ..._loop._loop import LoopOutput, SpeculativeLoop
+from ..._loop._loop import SpeculativeLoop
+from ..._loop._state import LoopOutput
 from ._corpus import decode, encode
 from ._shipped import load_demo_models
 

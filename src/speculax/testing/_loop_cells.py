@@ -1,0 +1,378 @@
+"""The cells of one step of the speculative sampling loop's random numbers: every
+draft sequence, pattern of verdicts and drawn token from each state, with its
+probability, found from the step's own pieces."""
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._chain._step import SpeculativeStep
+from .._loop._keys import ACCEPT, DRAFT, SAMPLE
+from .._loop._loop import SpeculativeLoop
+from .._loop._model import LanguageModel, model_probs
+from ._chain import (
+    SamplerCells,
+    acceptance_thresholds,
+    in_chunks,
+    refuse_sampler,
+    residual_weights,
+    sampler_cells,
+)
+
+
+# A random number of the loop, named by the data of the key it is drawn from: two
+# uses with equal keys read the same number.
+Name: TypeAlias = tuple[int, ...]
+# What is known of the random numbers still to be read again: each lies in an
+# interval [lo, hi), independently of the others.
+Constraints: TypeAlias = frozenset[tuple[Name, tuple[float, float]]]
+# The states a step starts from: the tokens generated so far and the constraints
+# carried, each with its probability.
+States: TypeAlias = list[tuple[tuple[tuple[int, ...], Constraints], float]]
+# One use of a random number: it is found to lie in [low, high).
+Use: TypeAlias = tuple[Name, float, float]
+_MAX_LEAVES = 2_000_000
+
+
+class Leaf(NamedTuple):
+    """One cell of one step's random numbers: the state it starts from, its
+    probability, the interval of each number and the number each use reads, and
+    what the step does there: the drafts, the number kept and the token drawn."""
+
+    state: int
+    probability: float
+    intervals: dict[Name, tuple[float, float]]
+    draft_uniforms: list[float]
+    accept_uniforms: list[float]
+    sample_uniform: float
+    drafts: tuple[int, ...]
+    num_accepted: int
+    sampled: int
+
+
+class _StepPieces(NamedTuple):
+    """What the step's pieces give on every row of one step's enumeration, a row
+    being a state followed by one of the $V^G$ draft sequences.
+
+    - `rows`: the `(state, sequence)` indices of each row.
+    - `sequences`: int32 `(V^G, G)`, every draft sequence.
+    - `draft_cdf`: float64 `(rows, G, V + 1)`, the edges of each token's cell of
+        $q_i$.
+    - `thresholds`: `(rows, G)`, the uniform below which each test passes.
+    - `monotone`: bool `(rows, G)`, whether each test is seen to pass exactly below
+        its threshold.
+    - `weights`: float64 `(rows, G + 1, V)`, the residual weights at every stopping
+        position.
+    - `cells`: the sampler's cells of `weights`, row `r * (G + 1) + n` for row $r$
+        stopping after $n$ drafts.
+    - `counts`: `(2^G,)`, the prefix count of each pattern of verdicts, in the
+        order of `itertools.product([True, False])`.
+    """
+
+    rows: list[tuple[int, int]]
+    sequences: np.ndarray
+    draft_cdf: np.ndarray
+    thresholds: np.ndarray
+    monotone: np.ndarray
+    weights: np.ndarray
+    cells: SamplerCells
+    counts: np.ndarray
+
+
+def step_leaves(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: tuple[int, ...],
+    states: States,
+    names: dict[int, list[Name]],
+) -> list[Leaf]:
+    """Every cell of one step's random numbers, from each state, with positive
+    probability: each draft sequence narrows the `DRAFT` numbers, each pattern of
+    verdicts the `ACCEPT` numbers, each drawn token the `SAMPLE` number, in the
+    order the loop reads them.
+
+    **Arguments:**
+
+    - `loop`: the loop, with its step.
+    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `prompt`: the prompt.
+    - `states`: the states the step starts from.
+    - `names`: the names of the step's random numbers, per stream.
+
+    **Returns:**
+
+    The cells, as `Leaf`s.
+    """
+    pieces = _step_pieces(loop, draft_model, target_model, prompt, states)
+    patterns = list(itertools.product([True, False], repeat=loop.num_draft))
+    leaves = []
+    for row, (state, sequence) in enumerate(pieces.rows):
+        (_, constraints), probability = states[state]
+        drafts = tuple(pieces.sequences[sequence].tolist())
+        drafted = _narrowed(
+            dict(constraints), probability, _draft_uses(pieces, names, row, drafts)
+        )
+        if drafted is None:
+            continue
+        if not pieces.monotone[row].all():
+            raise ValueError(
+                "loop.step.acceptance is not monotone in the uniform: a position "
+                "passes at some u above the threshold found by bisection or fails at "
+                "some u below it"
+            )
+        for pattern, count in zip(patterns, pieces.counts.tolist(), strict=True):
+            tested = _narrowed(*drafted, _test_uses(pieces, names, row, pattern))
+            if tested is None:
+                continue
+            for token, uses in _sample_uses(loop, pieces, names, row, count):
+                sampled = _narrowed(*tested, uses)
+                if sampled is not None:
+                    leaves.append(_leaf(state, *sampled, names, drafts, count, token))
+    return leaves
+
+
+def _step_pieces(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    prompt: tuple[int, ...],
+    states: States,
+) -> _StepPieces:
+    """The step's pieces on every state followed by every draft sequence, run in
+    chunks under `jit`, and the sampler's cells of their residual weights."""
+    num_draft = loop.num_draft
+    sequences = _draft_sequences(loop, target_model, len(states))
+    rows = [
+        (state, sequence)
+        for state in range(len(states))
+        for sequence in range(len(sequences))
+    ]
+    histories = [
+        prompt + states[state][0][0] + tuple(sequences[sequence].tolist())
+        for state, sequence in rows
+    ]
+    buffer, lengths = history_buffer(
+        histories, len(prompt) + loop.max_new_tokens + num_draft + 1
+    )
+    draft_probs, thresholds, monotone, weights = in_chunks(
+        lambda *rows: _run_step_pieces(loop, draft_model, target_model, *rows),
+        buffer,
+        lengths,
+        sequences[[sequence for _, sequence in rows]],
+    )
+    weights = weights.astype(np.float64)
+    return _StepPieces(
+        rows=rows,
+        sequences=sequences,
+        draft_cdf=_cdf(draft_probs.astype(np.float64)),
+        thresholds=thresholds,
+        monotone=monotone,
+        weights=weights,
+        # The cells of s for every row and stopping position, from the sampler.
+        cells=sampler_cells(loop.step.sampler, weights.reshape(-1, weights.shape[-1])),
+        counts=np.asarray(_prefix_counts(loop.step, num_draft)),
+    )
+
+
+def _draft_sequences(
+    loop: SpeculativeLoop, target_model: LanguageModel, num_states: int
+) -> np.ndarray:
+    """Every sequence of $G$ tokens, int32 `(V^G, G)`, after checking that the cells
+    of `num_states` states are not too many to enumerate."""
+    num_draft = loop.num_draft
+    vocab = jax.eval_shape(
+        target_model,
+        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+    ).shape[-1]
+    sequences = np.array(
+        list(itertools.product(range(vocab), repeat=num_draft)), np.int32
+    ).reshape(vocab**num_draft, num_draft)
+    if num_states * len(sequences) * 2**num_draft * vocab > _MAX_LEAVES:
+        raise ValueError(
+            f"{num_states} states x V^G draft sequences x 2^G verdicts x V tokens "
+            f"(V = {vocab}, G = {num_draft}) is more than {_MAX_LEAVES} cells to "
+            "enumerate in one step"
+        )
+    return sequences
+
+
+def _draft_uses(
+    pieces: _StepPieces,
+    names: dict[int, list[Name]],
+    row: int,
+    drafts: tuple[int, ...],
+) -> list[Use]:
+    """The uses of the `DRAFT` numbers that draw `drafts` in row `row`: each in its
+    token's cell of $q_i$."""
+    return [
+        (
+            names[DRAFT][i],
+            pieces.draft_cdf[row, i, token],
+            pieces.draft_cdf[row, i, token + 1],
+        )
+        for i, token in enumerate(drafts)
+    ]
+
+
+def _test_uses(
+    pieces: _StepPieces,
+    names: dict[int, list[Name]],
+    row: int,
+    pattern: tuple[bool, ...],
+) -> list[Use]:
+    """The uses of the `ACCEPT` numbers that give the verdicts `pattern` in row
+    `row`: below its threshold for each test that passes, above for each that fails."""
+    return [
+        (name, 0.0, threshold) if passed else (name, threshold, 1.0)
+        for name, threshold, passed in zip(
+            names[ACCEPT], pieces.thresholds[row], pattern, strict=True
+        )
+    ]
+
+
+def _sample_uses(
+    loop: SpeculativeLoop,
+    pieces: _StepPieces,
+    names: dict[int, list[Name]],
+    row: int,
+    count: int,
+) -> list[tuple[int, list[Use]]]:
+    """Each token the sampler draws in row `row` after `count` kept drafts, with the
+    use of the `SAMPLE` number that draws it (none for a sampler that reads no
+    uniform), after checking the residual weights and the sampler's cells there."""
+    residual = pieces.weights[row, count]
+    if not (np.all(np.isfinite(residual) & (residual >= 0)) and residual.sum()):
+        raise ValueError(
+            "loop.step.residual returned weights that are negative, not "
+            "finite or without positive mass, in a state reached with "
+            "positive probability"
+        )
+    sampler, cells = loop.step.sampler, pieces.cells
+    cell = row * (loop.num_draft + 1) + count
+    if not cells.valid[cell]:
+        raise refuse_sampler("loop.step.sampler", sampler, cells, cell)
+    # A sampler that reads no uniform (Argmax) leaves s unconstrained.
+    return [
+        (
+            int(token),
+            [(names[SAMPLE][0], low, high)] if sampler.reads_uniforms else [],
+        )
+        for low, high, token in zip(
+            cells.lows[cell], cells.highs[cell], cells.tokens[cell], strict=True
+        )
+        if high > low
+    ]
+
+
+def _leaf(
+    state: int,
+    intervals: dict[Name, tuple[float, float]],
+    probability: float,
+    names: dict[int, list[Name]],
+    drafts: tuple[int, ...],
+    count: int,
+    token: int,
+) -> Leaf:
+    """The cell with these intervals, its uniforms at the middle of each interval
+    (of `[0, 1)` for a number not yet read)."""
+
+    def middle(name: Name) -> float:
+        low, high = intervals.get(name, (0.0, 1.0))
+        return (low + high) / 2
+
+    return Leaf(
+        state,
+        probability,
+        intervals,
+        [middle(name) for name in names[DRAFT]],
+        [middle(name) for name in names[ACCEPT]],
+        middle(names[SAMPLE][0]),
+        drafts,
+        count,
+        token,
+    )
+
+
+def history_buffer(
+    histories: Sequence[tuple[int, ...]], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The histories as the rows of a zero-padded buffer, and their lengths."""
+    buffer = np.zeros((len(histories), width), np.int32)
+    for row, history in enumerate(histories):
+        buffer[row, : len(history)] = history
+    lengths = np.array([len(history) for history in histories], np.int32)
+    return buffer, lengths
+
+
+def _narrowed(
+    intervals: dict[Name, tuple[float, float]],
+    probability: float,
+    uses: list[Use],
+) -> tuple[dict[Name, tuple[float, float]], float] | None:
+    """The intervals and probability after each named number is found to lie in
+    `[low, high)`, one use after another; `None` when a use leaves no room.
+
+    Each number is uniform on its interval and independent of the others, so
+    narrowing one multiplies the probability by the fraction of its interval kept.
+    """
+    intervals = dict(intervals)
+    for name, low, high in uses:
+        old_low, old_high = intervals.get(name, (0.0, 1.0))
+        new_low, new_high = max(old_low, low), min(old_high, high)
+        if new_high <= new_low:
+            return None
+        probability *= (new_high - new_low) / (old_high - old_low)
+        intervals[name] = (new_low, new_high)
+    return intervals, probability
+
+
+def _cdf(weights: np.ndarray) -> np.ndarray:
+    """The edges of each token's cell under inverse-CDF sampling: entry $v$ and
+    $v + 1$ of the last axis bound the uniforms that draw $v$."""
+    total = np.sum(weights, axis=-1, keepdims=True)
+    cumulative = np.cumsum(weights, axis=-1) / np.where(total > 0, total, 1)
+    return np.concatenate([np.zeros_like(total), cumulative], axis=-1)
+
+
+@eqx.filter_jit
+def _run_step_pieces(
+    loop: SpeculativeLoop,
+    draft_model: LanguageModel,
+    target_model: LanguageModel,
+    buffer: jax.Array,
+    length: jax.Array,
+    draft_tokens: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For histories whose last $G$ tokens are the drafts, the draft probabilities,
+    and the pieces of `loop.step` on them: the acceptance thresholds, whether they
+    are consistent, and the residual weights at every stopping position."""
+    step = loop.step
+    rows, num_draft = draft_tokens.shape
+    positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
+    draft_probs = model_probs(draft_model(buffer, positions[:, :-1]))
+    target_probs = model_probs(target_model(buffer, positions))
+    if num_draft:
+        thresholds, monotone = acceptance_thresholds(
+            step.acceptance, draft_tokens, draft_probs, target_probs
+        )
+    else:
+        thresholds = jnp.zeros((rows, 0), jnp.float64)
+        monotone = jnp.ones((rows, 0), jnp.bool_)
+    weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
+    return draft_probs, thresholds, monotone, weights
+
+
+def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
+    """The prefix count of every pattern of verdicts, in the order of
+    `itertools.product([True, False])`."""
+    patterns = jnp.array(
+        list(itertools.product([True, False], repeat=num_draft)), jnp.bool_
+    ).reshape(2**num_draft, num_draft)
+    return step.prefix(patterns)
