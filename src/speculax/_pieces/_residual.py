@@ -401,7 +401,7 @@ def stopping_row_checks(
     residual: AbstractResidual,
     num_accepted: Int[Array, " batch"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
-    target_probs: Float[Array, "batch draft+1 vocab"],
+    target_probs: Float[Array, "batch positions vocab"],
     *,
     num_draft_tokens: Int[Array, " batch"] | None,
 ) -> list[Failure]:
