@@ -3,9 +3,14 @@ from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from .._core._failures import Failure, overflow_failure, stopping_row_failures
+from .._core._failures import (
+    RESULTS,
+    Failure,
+    overflow_failure,
+    stopping_row_failures,
+)
 from .._core._numerics import BLOCK_SIZE, upcast
 from .._core._vocab_axis import (
     any_over_vocab,
@@ -111,7 +116,9 @@ class AbstractFusedResidual(AbstractResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None,
         check_values: bool,
-    ) -> tuple[Int[Array, " batch"], list[Failure]] | None:
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
         """Draws the token at each row's stopping position $n$ with `sampler`, in
         one pass with the residual, or returns `None` where this residual has no
         fused path with this sampler (before computing anything): the step then
@@ -201,7 +208,9 @@ class Residual(AbstractFusedResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None,
         check_values: bool,
-    ) -> tuple[Int[Array, " batch"], list[Failure]] | None:
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
         if not isinstance(sampler, AbstractBlockSumSampler):
             return None
         return _draw_from_summary(
@@ -278,7 +287,9 @@ class BlockResidual(AbstractFusedResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None,
         check_values: bool,
-    ) -> tuple[Int[Array, " batch"], list[Failure]] | None:
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
         if not isinstance(sampler, AbstractBlockSumSampler):
             return None
         # The weights are Residual's with p_n scaled by P_n: the same summary.
@@ -380,7 +391,9 @@ class TargetRow(AbstractFusedResidual):
         *,
         num_draft_tokens: Int[Array, " batch"] | None,
         check_values: bool,
-    ) -> tuple[Int[Array, " batch"], list[Failure]] | None:
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
         # Argmax is final, so its draw from p_n is the argmax of p_n.
         if not isinstance(sampler, Argmax):
             return None
