@@ -304,3 +304,88 @@ def test_first_argmax_is_jnp_argmax(vocab):
     with_nan = rows.at[:, vocab // 2].set(jnp.nan)
     index = np.asarray(jax.jit(first_argmax)(with_nan))
     assert ((index >= 0) & (index < vocab)).all()
+
+
+def test_new_pieces_join_the_fused_draw():
+    """How a residual and a sampler run as one pass is stated by the pieces: a
+    residual of your own that subclasses `AbstractFusedResidual` is drawn by its
+    `fused_draw`, falling back to its weights where that returns `None`; a sampler
+    that subclasses `AbstractBlockSumSampler` is drawn from block sums by the fused
+    residuals and the tree steps, never from the weights; a residual the step does
+    not know as fused is drawn from its weights."""
+    import speculax
+    from doubles import DelegatingResidual
+    from inputs import random_inputs
+    from speculax._pieces._residual import AbstractFusedResidual
+    from speculax._pieces._sampling import AbstractBlockSumSampler
+
+    weights_calls = []
+
+    class ResidualOfMyOwn(AbstractFusedResidual):
+        reads_draft_probs: ClassVar[bool] = True
+        axis_name: None = eqx.field(static=True, default=None, init=False)
+
+        def __call__(self, *args, **kwargs):
+            weights_calls.append(None)
+            return speculax.Residual()(*args, **kwargs)
+
+        def fused_draw(self, sampler, *args, **kwargs):
+            return speculax.Residual().fused_draw(sampler, *args, **kwargs)
+
+    class BlockSumsOnly(AbstractBlockSumSampler):
+        reads_uniforms: ClassVar[bool] = True
+        block_size: int = eqx.field(static=True, default=8)
+        axis_name: None = eqx.field(static=True, default=None, init=False)
+
+        def __call__(self, weights, sample_uniforms):
+            raise AssertionError("drawn from the weights")
+
+        def draw_from_block_sums(self, *args):
+            return speculax.InverseCDF(self.block_size).draw_from_block_sums(*args)
+
+    def same(first, second):
+        for key in ("num_accepted", "tokens"):
+            np.testing.assert_array_equal(first[key], second[key])
+
+    inputs = random_inputs(3, 6, 3, 20)
+    ours = speculax.SpeculativeStep(residual=ResidualOfMyOwn())
+    same(ours(**inputs), speculax.SpeculativeStep()(**inputs))
+    assert not weights_calls
+    with_argmax = eqx.tree_at(lambda step: step.sampler, ours, speculax.Argmax())
+    same(
+        with_argmax(**inputs),
+        speculax.SpeculativeStep(sampler=speculax.Argmax())(**inputs),
+    )
+    assert len(weights_calls) == 1
+
+    default_block_size = speculax.SpeculativeStep(sampler=speculax.InverseCDF(8))
+    same(
+        speculax.SpeculativeStep(sampler=BlockSumsOnly())(**inputs),
+        default_block_size(**inputs),
+    )
+    block = speculax.block_step()
+    same(
+        eqx.tree_at(lambda step: step.sampler, block, BlockSumsOnly())(**inputs),
+        eqx.tree_at(lambda step: step.sampler, block, speculax.InverseCDF(8))(**inputs),
+    )
+    with pytest.raises(AssertionError, match="drawn from the weights"):
+        speculax.SpeculativeStep(
+            residual=DelegatingResidual(), sampler=BlockSumsOnly()
+        )(**inputs)
+
+    # The same drafts as a tree, each node the only child of the one before.
+    batch, num_draft = inputs["draft_tokens"].shape
+    tree = {
+        "parents": np.tile(np.arange(num_draft), (batch, 1)),
+        "tree_tokens": inputs["draft_tokens"],
+        "draft_probs": np.concatenate(
+            [inputs["draft_probs"], inputs["draft_probs"][:, -1:]], axis=1
+        ),
+        "target_probs": inputs["target_probs"],
+        "accept_uniforms": inputs["accept_uniforms"],
+        "sample_uniforms": inputs["sample_uniforms"],
+    }
+    for tree_step in (speculax.TreeStep, speculax.TraversalStep):
+        out = tree_step(sampler=BlockSumsOnly())(**tree)
+        expected = tree_step(sampler=speculax.InverseCDF(8))(**tree)
+        np.testing.assert_array_equal(out["tokens"], expected["tokens"])

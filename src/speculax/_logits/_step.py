@@ -369,15 +369,16 @@ def _draw(
     rejected = None
     if num_draft > 0:
         rejected = jnp.take_along_axis(draft_tokens, draft_position[:, None], axis=1)
+    sampler = InverseCDF()
     summary = stopping_row_summary(
         jnp.zeros((batch,), jnp.int32),
         draft_row,
         target_row[:, None],
-        block_size=InverseCDF().block_size,
+        block_size=sampler.block_size,
         num_draft_tokens=subtracting.astype(jnp.int32),
         draft_tokens=rejected,
     )
-    sampled = sample_residual(summary, sample_uniforms, None)
+    sampled = sample_residual(summary, sampler, sample_uniforms)
     greedy = target.argmax[rows, num_accepted]
     drawn = jnp.where(parameters.greedy, greedy, sampled)
     failures = [

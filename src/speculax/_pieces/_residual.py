@@ -3,12 +3,23 @@ from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from .._core._numerics import upcast
-from .._core._vocab_axis import any_over_vocab, one_hot_over_vocab
+from .._core._failures import (
+    RESULTS,
+    Failure,
+    overflow_failure,
+    stopping_row_failures,
+)
+from .._core._numerics import BLOCK_SIZE, upcast
+from .._core._vocab_axis import (
+    any_over_vocab,
+    first_argmax_over_vocab,
+    one_hot_over_vocab,
+)
 from ._block import scaled_excess, stopping_ratio
-from ._stopping_rows import stopping_rows
+from ._sampling import AbstractBlockSumSampler, AbstractSampler, Argmax, sample_residual
+from ._stopping_rows import stopping_row_summary, stopping_rows
 
 
 # Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type
@@ -37,6 +48,11 @@ class AbstractResidual(eqx.Module):
     `draft_probs` (the step's value checks read only what some piece reads), and the
     field `axis_name`: inside `jax.shard_map`, the mesh axis the vocabulary is split
     over, `None` for whole rows (see [`speculax.AbstractAcceptance`][]).
+
+    The step draws the token by calling the residual and then the sampler on its
+    `(batch, vocab)` weights, unless the residual is an `AbstractFusedResidual`
+    with a fused path for that sampler (see there): a piece of your own is drawn
+    this way, exactly as written.
 
     The concrete residuals are final: to change one, wrap it in a piece of your own.
     """
@@ -73,8 +89,68 @@ class AbstractResidual(eqx.Module):
         """
 
 
+class AbstractFusedResidual(AbstractResidual):
+    """A residual that says how it is drawn together with a sampler, in one pass
+    over the rows and without its `(batch, vocab)` weights.
+
+    The step's draw (`draw_token`) asks the residual, through `fused_draw`, before
+    it falls back to calling the residual and then the sampler: the residual names
+    the samplers it fuses with, and a sampler states what it can draw from (the
+    block sums of `AbstractBlockSumSampler`). [`speculax.Residual`][] and
+    [`speculax.BlockResidual`][] fuse with any block-sum sampler, such as
+    [`speculax.InverseCDF`][]; [`speculax.TargetRow`][] with
+    [`speculax.Argmax`][]. A new residual joins by subclassing this class and
+    implementing `fused_draw`; a residual that only subclasses
+    [`speculax.AbstractResidual`][] is always drawn as written.
+    """
+
+    @abc.abstractmethod
+    def fused_draw(
+        self,
+        sampler: AbstractSampler,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        sample_uniforms: Float[Array, " batch"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None,
+        check_values: bool,
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
+        """Draws the token at each row's stopping position $n$ with `sampler`, in
+        one pass with the residual, or returns `None` where this residual has no
+        fused path with this sampler (before computing anything): the step then
+        calls the residual and the sampler in turn, and checks the rows
+        separately.
+
+        A fused path must compute what `sampler(self(...), sample_uniforms)` does,
+        up to the order of additions: decide by what the sampler is (a final class,
+        or an interface such as `AbstractBlockSumSampler` whose contract fixes the
+        computation), never by what it merely resembles.
+
+        **Arguments:**
+
+        - `sampler`: the step's sampler; it shares this residual's `axis_name`.
+        - `num_accepted`, `draft_tokens`, `draft_probs`, `target_probs`,
+            `num_draft_tokens`: as for `__call__`.
+        - `sample_uniforms`: $s$, as for the sampler.
+        - `check_values`: keyword only, whether to return the value checks of the
+            rows drawn from.
+
+        **Returns:**
+
+        `None`, or a tuple: the drawn tokens, int32 `(batch,)` (`-1` where nothing
+        can be drawn), and, when `check_values`, the checks of the stopping rows in
+        the order they are reported (those of `stopping_row_checks`, and for a
+        sampler that normalises the weights the overflow of their total); an empty
+        list otherwise.
+        """
+
+
 @final
-class Residual(AbstractResidual):
+class Residual(AbstractFusedResidual):
     """The residual distribution of speculative decoding.
 
     For $n < G$ the weights are $w(v) = \\max(p_n(v) - q_n(v), 0)$: the target mass the
@@ -121,9 +197,37 @@ class Residual(AbstractResidual):
             axis_name=self.axis_name,
         )
 
+    def fused_draw(
+        self,
+        sampler: AbstractSampler,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        sample_uniforms: Float[Array, " batch"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None,
+        check_values: bool,
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
+        if not isinstance(sampler, AbstractBlockSumSampler):
+            return None
+        return _draw_from_summary(
+            None,
+            sampler,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
+            check_values=check_values,
+        )
+
 
 @final
-class BlockResidual(AbstractResidual):
+class BlockResidual(AbstractFusedResidual):
     """The residual of block verification (Sun et al., 2025; see
     [`speculax.block_step`][]): for $n < G$ the weights are
     $w(v) = \\max(P_n \\, p_n(v) - q_n(v), 0)$, where $P_n$ is the probability
@@ -172,6 +276,42 @@ class BlockResidual(AbstractResidual):
             axis_name=self.axis_name,
         )
 
+    def fused_draw(
+        self,
+        sampler: AbstractSampler,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        sample_uniforms: Float[Array, " batch"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None,
+        check_values: bool,
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
+        if not isinstance(sampler, AbstractBlockSumSampler):
+            return None
+        # The weights are Residual's with p_n scaled by P_n: the same summary.
+        scale = stopping_ratio(
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            axis_name=self.axis_name,
+        )
+        return _draw_from_summary(
+            scale,
+            sampler,
+            num_accepted,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
+            check_values=check_values,
+        )
+
 
 def residual_weights(
     scale: Float[Array, " batch"] | None,
@@ -211,7 +351,7 @@ def residual_weights(
 
 
 @final
-class TargetRow(AbstractResidual):
+class TargetRow(AbstractFusedResidual):
     """The target distribution itself, $w = p_n$, whatever the drafts.
 
     For greedy verification (see [`speculax.GreedyAcceptance`][]), where the
@@ -239,3 +379,107 @@ class TargetRow(AbstractResidual):
     ) -> Float[Array, "batch vocab"]:
         del draft_tokens, draft_probs, num_draft_tokens
         return upcast(target_probs[jnp.arange(num_accepted.shape[0]), num_accepted])
+
+    def fused_draw(
+        self,
+        sampler: AbstractSampler,
+        num_accepted: Int[Array, " batch"],
+        draft_tokens: Int[Array, "batch draft"],
+        draft_probs: Float[Array, "batch draft vocab"] | None,
+        target_probs: Float[Array, "batch draft+1 vocab"],
+        sample_uniforms: Float[Array, " batch"],
+        *,
+        num_draft_tokens: Int[Array, " batch"] | None,
+        check_values: bool,
+    ) -> (
+        tuple[Int[Array, " batch"], list[tuple[Bool[Array, " batch"], RESULTS]]] | None
+    ):
+        # Argmax is final, so its draw from p_n is the argmax of p_n.
+        if not isinstance(sampler, Argmax):
+            return None
+        del draft_tokens, sample_uniforms
+        failures = []
+        if check_values:
+            failures = stopping_row_checks(
+                self,
+                num_accepted,
+                draft_probs,
+                target_probs,
+                num_draft_tokens=num_draft_tokens,
+            )
+        return _target_argmax(num_accepted, target_probs, sampler.axis_name), failures
+
+
+def stopping_row_checks(
+    residual: AbstractResidual,
+    num_accepted: Int[Array, " batch"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch positions vocab"],
+    *,
+    num_draft_tokens: Int[Array, " batch"] | None,
+) -> list[Failure]:
+    """The checks of the stopping rows $p_n$ (and $q_n$ where `residual` reads the
+    draft probabilities), by a pass of their own: for a draw that has no row summary
+    to read them from."""
+    # Only the summary's flags are read, whatever its block size.
+    summary = stopping_row_summary(
+        num_accepted,
+        draft_probs if residual.reads_draft_probs else None,
+        target_probs,
+        block_size=BLOCK_SIZE,
+        num_draft_tokens=num_draft_tokens,
+        axis_name=residual.axis_name,
+    )
+    return stopping_row_failures(summary.row_mass)
+
+
+def _draw_from_summary(
+    scale: Float[Array, " batch"] | None,
+    sampler: AbstractBlockSumSampler,
+    num_accepted: Int[Array, " batch"],
+    draft_tokens: Int[Array, "batch draft"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+    target_probs: Float[Array, "batch draft+1 vocab"],
+    sample_uniforms: Float[Array, " batch"],
+    *,
+    num_draft_tokens: Int[Array, " batch"] | None,
+    check_values: bool,
+) -> tuple[Int[Array, " batch"], list[Failure]]:
+    """The fused draw of $\\max(P_n \\, p_n - q_n, 0)$ (`scale` is $P_n$, `None` for
+    1): one pass over $p_n$ and $q_n$ yields the block sums the sampler draws from
+    and the row totals the value checks read; no `(batch, vocab)` weights are made.
+    For deterministic drafts $q_n$ is the one-hot of $x_n$, made in the pass."""
+    summary = stopping_row_summary(
+        num_accepted,
+        draft_probs,
+        target_probs,
+        block_size=sampler.block_size,
+        num_draft_tokens=num_draft_tokens,
+        draft_tokens=draft_tokens,
+        axis_name=sampler.axis_name,
+        scale=scale,
+    )
+    failures = []
+    if check_values:
+        failures = [
+            *stopping_row_failures(summary.row_mass),
+            overflow_failure(summary.row_mass),
+        ]
+    return sample_residual(summary, sampler, sample_uniforms), failures
+
+
+def _target_argmax(
+    num_accepted: Int[Array, " batch"],
+    target_probs: Float[Array, "batch positions vocab"],
+    axis_name: str | None,
+) -> Int[Array, " batch"]:
+    """`Argmax` of `TargetRow`'s weights: the argmax of $p_n$, or -1 where its
+    largest weight is zero (below the smallest normal number counting as zero),
+    taken from the argmax of every target row, the computation of
+    [`speculax.GreedyAcceptance`][], which XLA merges with it, so that no row is
+    read twice and no `(batch, vocab)` copy of $p_n$ is made."""
+    token, largest = first_argmax_over_vocab(target_probs, axis_name)
+    at_stop = num_accepted[:, None]
+    token = jnp.take_along_axis(token, at_stop, axis=1)[:, 0]
+    largest = jnp.take_along_axis(largest, at_stop, axis=1)[:, 0]
+    return jnp.where(upcast(largest) > 0, token, -1)

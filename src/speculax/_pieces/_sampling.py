@@ -57,8 +57,56 @@ class AbstractSampler(eqx.Module):
         """
 
 
+class AbstractBlockSumSampler(AbstractSampler):
+    """A sampler that can draw from the block sums of the weights and the weights of
+    one chosen block per row, without the whole `(batch, vocab)` weights.
+
+    This is the sampler's side of a fused draw (see
+    [`speculax.AbstractResidual`][]): a residual that can sum its weights by block in
+    one pass over its rows, as [`speculax.Residual`][] and
+    [`speculax.BlockResidual`][] do, hands the sums and a reader of one block to
+    `draw_from_block_sums` instead of making its weights, and the tree steps draw
+    their final token the same way. [`speculax.InverseCDF`][] is one. A new sampler
+    joins by subclassing this class, stating the field `block_size` and
+    implementing `draw_from_block_sums`.
+    """
+
+    block_size: eqx.AbstractVar[int]
+
+    @abc.abstractmethod
+    def draw_from_block_sums(
+        self,
+        block_mass: Float[Array, "batch local_blocks"],
+        chosen_block: Callable[[Int[Array, " batch"]], Float[Array, "batch block"]],
+        block_size: int,
+        shard_vocab: int,
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        """Draws the token that `__call__` draws from the same weights and uniforms.
+        The fused paths rely on this being the same computation as `__call__`, up to
+        the order of the additions in the block sums.
+
+        **Arguments:**
+
+        - `block_mass`: the sums of the weights in consecutive blocks of
+            `block_size` tokens (of this device's slice, under a split vocabulary),
+            upcast to the arithmetic dtype.
+        - `chosen_block`: a function from one block index per row (into this
+            device's slice) to the weights of that block, zero past the vocabulary.
+        - `block_size`: the number of tokens in a block: the field `block_size`, or
+            the vocabulary size where that is smaller.
+        - `shard_vocab`: the number of tokens in this device's slice of the
+            vocabulary (the whole vocabulary outside `shard_map`).
+        - `sample_uniforms`: $s$, uniform noise in `[0, 1)`.
+
+        **Returns:**
+
+        An int32 array of shape `(batch,)`, as from `__call__`.
+        """
+
+
 @final
-class InverseCDF(AbstractSampler):
+class InverseCDF(AbstractBlockSumSampler):
     """Inverse-CDF sampling: $y$ is the smallest $v$ with $r(0) + \\dots + r(v) > s$,
     where $r = w / \\sum w$.
 
@@ -77,9 +125,10 @@ class InverseCDF(AbstractSampler):
     $w(v) > 0$. A row with no positive weight at all gives $-1$.
 
     Inside a [`speculax.SpeculativeStep`][] beside the default
-    [`speculax.Residual`][], the pair runs as one (`sample_residual`): the same
-    computation, drawn from block sums of the rows $p_n$ and $q_n$ without
-    materialising the weights.
+    [`speculax.Residual`][] (or [`speculax.BlockResidual`][]), the pair runs as one
+    (`sample_residual`): the same computation, drawn from block sums of the rows
+    $p_n$ and $q_n$ without materialising the weights. It can because it draws from
+    block sums (`draw_from_block_sums`, the interface `AbstractBlockSumSampler`).
 
     **Arguments:**
 
@@ -109,6 +158,23 @@ class InverseCDF(AbstractSampler):
             self.block_size,
             lanes=8,
             axis_name=self.axis_name,
+        )
+
+    def draw_from_block_sums(
+        self,
+        block_mass: Float[Array, "batch local_blocks"],
+        chosen_block: Callable[[Int[Array, " batch"]], Float[Array, "batch block"]],
+        block_size: int,
+        shard_vocab: int,
+        sample_uniforms: Float[Array, " batch"],
+    ) -> Int[Array, " batch"]:
+        return draw_from_blocks(
+            block_mass,
+            chosen_block,
+            block_size,
+            shard_vocab,
+            sample_uniforms,
+            self.axis_name,
         )
 
 
@@ -174,22 +240,22 @@ class Argmax(AbstractSampler):
 
 def sample_residual(
     summary: RowSummary,
+    sampler: AbstractBlockSumSampler,
     sample_uniforms: Float[Array, " batch"],
-    axis_name: str | None,
 ) -> Int[Array, " batch"]:
-    """[`speculax.InverseCDF`][] applied to the weights of [`speculax.Residual`][],
-    without materialising them: the block sums come from the one-pass summary of the
-    stopping rows, and only the chosen block of $p_n$ and $q_n$ is read again. The
-    same computation as the two pieces in turn, up to the order of the additions
-    inside a block.
+    """`sampler` applied to the weights the summary describes (those of
+    [`speculax.Residual`][] or [`speculax.BlockResidual`][]), without materialising
+    them: the block sums come from the one-pass summary of the stopping rows, and
+    only the chosen block of $p_n$ and $q_n$ is read again. The same computation as
+    the residual and the sampler in turn, up to the order of the additions inside a
+    block.
     """
-    return draw_from_blocks(
+    return sampler.draw_from_block_sums(
         summary.block_mass,
         lambda block: block_weights(summary, block),
         summary.block_size,
         summary.target_probs.shape[-1],
         sample_uniforms,
-        axis_name,
     )
 
 

@@ -34,12 +34,7 @@ from .._core._numerics import (
 from .._core._vocab_axis import ordered_row_sums
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
-from .._pieces._sampling import (
-    AbstractSampler,
-    InverseCDF,
-    block_reader,
-    draw_from_blocks,
-)
+from .._pieces._sampling import AbstractBlockSumSampler, AbstractSampler, block_reader
 from .._pieces._stopping_rows import summary_loops_over_rows, summation_lanes
 from ._siblings import AbstractSiblingRule
 
@@ -312,28 +307,28 @@ class AbstractTreeStep(eqx.Module):
         row of the node the walk ended at (the bonus token), and the checks of the
         weights drawn from: a negative or non-finite value, a total that overflows.
 
-        [`speculax.InverseCDF`][] sums the weights in the lanes the chain step's
-        row summary uses for the same inputs, so that a chain drawn as a tree gets
-        the chain step's token even for a uniform on a block's edge.
+        A sampler that draws from block sums (`AbstractBlockSumSampler`, such as
+        [`speculax.InverseCDF`][]) gets the weights summed in the lanes the chain
+        step's row summary uses for the same inputs, so that a chain drawn as a
+        tree gets the chain step's token even for a uniform on a block's edge.
         """
         batch, _, vocab = target_probs.shape
         own_row = upcast(target_probs[jnp.arange(batch), walks.current])
         weights = jnp.where(walks.updated[:, None], walks.target, own_row)
         bad_row = jnp.any(not_a_probability(weights), axis=-1)
-        if type(self.sampler) is InverseCDF:
+        if isinstance(self.sampler, AbstractBlockSumSampler):
             # The draw's block sums serve the overflow check too: summing the rows
             # apart would cost two (B, V) temporaries.
             block_size = min(self.sampler.block_size, vocab)
             lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
             block_mass = ordered_block_sums(weights, block_size, lanes)
             total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
-            drawn = draw_from_blocks(
+            drawn = self.sampler.draw_from_block_sums(
                 block_mass,
                 block_reader(weights, block_size),
                 block_size,
                 vocab,
                 sample_uniforms,
-                None,
             )
         else:
             total = ordered_row_sums(weights, None)
