@@ -316,8 +316,7 @@ def test_new_pieces_join_the_fused_draw():
     import speculax
     from doubles import DelegatingResidual
     from inputs import random_inputs
-    from speculax._pieces._residual import AbstractFusedResidual
-    from speculax._pieces._sampling import AbstractBlockSumSampler
+    from speculax import AbstractBlockSumSampler, AbstractFusedResidual
 
     weights_calls = []
 

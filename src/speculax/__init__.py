@@ -52,12 +52,14 @@ from ._pieces._prefix import (
     PrefixCount as PrefixCount,
 )
 from ._pieces._residual import (
+    AbstractFusedResidual as AbstractFusedResidual,
     AbstractResidual as AbstractResidual,
     BlockResidual as BlockResidual,
     Residual as Residual,
     TargetRow as TargetRow,
 )
 from ._pieces._sampling import (
+    AbstractBlockSumSampler as AbstractBlockSumSampler,
     AbstractSampler as AbstractSampler,
     Argmax as Argmax,
     InverseCDF as InverseCDF,

@@ -96,7 +96,7 @@ class AbstractFusedResidual(AbstractResidual):
     The step's draw (`draw_token`) asks the residual, through `fused_draw`, before
     it falls back to calling the residual and then the sampler: the residual names
     the samplers it fuses with, and a sampler states what it can draw from (the
-    block sums of `AbstractBlockSumSampler`). [`speculax.Residual`][] and
+    block sums of [`speculax.AbstractBlockSumSampler`][]). [`speculax.Residual`][] and
     [`speculax.BlockResidual`][] fuse with any block-sum sampler, such as
     [`speculax.InverseCDF`][]; [`speculax.TargetRow`][] with
     [`speculax.Argmax`][]. A new residual joins by subclassing this class and
