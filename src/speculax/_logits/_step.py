@@ -24,6 +24,7 @@ from .._core._failures import (
     stopping_row_failures,
 )
 from .._core._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
+from .._core._rows import read_row
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._pieces._prefix import PrefixCount
@@ -34,7 +35,6 @@ from ._truncation import (
     RowStatistics,
     loops_over_rows,
     probability,
-    read_logits_row,
     request_statistics,
 )
 
@@ -411,7 +411,7 @@ def _probability_rows(
 
     def one_row(b):
         row_statistics = jax.tree.map(lambda x: x[b], at_position)
-        row = read_logits_row(logits, b, position[b])
+        row = read_row(logits, b, position[b]).astype(arithmetic_dtype(logits))
         return probability(row, tokens, row_statistics, temperature[b])
 
     return jax.lax.map(one_row, rows)
