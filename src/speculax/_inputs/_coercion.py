@@ -2,7 +2,7 @@
 their structure checked at trace time, the integers as `int32`, and the uniforms
 given, drawn from a key or not needed. The chain, logits and tree steps share it."""
 
-from typing import ClassVar, Protocol, final
+from typing import ClassVar, Protocol, final, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -14,6 +14,8 @@ from ._input_array import InputArray
 from ._random import KeyArray, uniforms
 
 
+# Runtime checkable for the tests' runtime type checks.
+@runtime_checkable
 class _ReadsUniforms(Protocol):
     """A piece that says whether it reads uniforms: an acceptance or a sampler."""
 
