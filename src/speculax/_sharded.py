@@ -12,17 +12,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ._chain._step import (
-    SpeculativeStep,
-    StepOutput,
-    optional_array,
-    optional_index_array,
-    resolve_uniforms,
-    uniform_readers,
-)
+from ._chain._step import SpeculativeStep, StepOutput
 from ._core._checks import check_structure
 from ._core._failures import RESULTS
 from ._core._numerics import as_index, index_array
+from ._inputs._coercion import (
+    optional_array,
+    optional_index_array,
+    resolve_uniforms,
+    uniform_reader,
+)
 from ._inputs._input_array import InputArray
 from ._inputs._random import KeyArray
 
@@ -186,7 +185,7 @@ def sharded_step(
             inputs["accept_uniforms"],
             inputs["sample_uniforms"],
             key,
-            uniform_readers(step),
+            (uniform_reader(step.acceptance), uniform_reader(step.sampler)),
         )
         placed = {
             name: jax.device_put(x, NamedSharding(mesh, specs[name]))

@@ -4,7 +4,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._core._checks import check_structure
 from .._core._failures import (
     RESULTS,
     first_failure,
@@ -12,10 +11,16 @@ from .._core._failures import (
     report_failures,
     sampled_failure,
 )
-from .._core._numerics import as_index, index_array
+from .._core._numerics import index_array
 from .._core._vocab_axis import full_vocab
+from .._inputs._coercion import (
+    coerce_inputs,
+    optional_array,
+    optional_index_array,
+    uniform_reader,
+)
 from .._inputs._input_array import InputArray
-from .._inputs._random import KeyArray, uniforms
+from .._inputs._random import KeyArray
 from .._pieces._acceptance import (
     AbstractAcceptance,
     BlockAcceptance,
@@ -254,30 +259,19 @@ class SpeculativeStep(eqx.Module):
         assert out["tokens"].tolist()[1] == [-1, -1]
         ```
         """
-        draft_tokens = index_array(draft_tokens)
-        target_probs = jnp.asarray(target_probs)
-        draft_probs = optional_array(draft_probs)
-        accept_uniforms = optional_array(accept_uniforms)
-        sample_uniforms = optional_array(sample_uniforms)
-        num_draft_tokens = optional_index_array(num_draft_tokens)
-        check_structure(
+        inputs = coerce_inputs(
             draft_tokens,
             draft_probs,
             target_probs,
             accept_uniforms,
             sample_uniforms,
-            num_draft_tokens,
+            num_draft_tokens=num_draft_tokens,
         )
-        draft_tokens = as_index(draft_tokens)
-        if num_draft_tokens is not None:
-            num_draft_tokens = as_index(num_draft_tokens)
-        accept_uniforms, sample_uniforms = resolve_uniforms(
-            draft_tokens.shape,
-            accept_uniforms,
-            sample_uniforms,
-            key,
-            uniform_readers(self),
+        accept_uniforms, sample_uniforms = inputs.uniforms(
+            key, (uniform_reader(self.acceptance), uniform_reader(self.sampler))
         )
+        draft_tokens, draft_probs = inputs.tokens, inputs.draft
+        target_probs, num_draft_tokens = inputs.target, inputs.num_draft_tokens
         failures = []
         if self.check_values:
             failures += input_failures(
@@ -324,55 +318,6 @@ class SpeculativeStep(eqx.Module):
         return report_failures(
             output, result, check_values=self.check_values, throw=self.throw
         )
-
-
-def uniform_readers(step: SpeculativeStep) -> tuple[str | None, str | None]:
-    """The names of the pieces of `step` that read `accept_uniforms` and
-    `sample_uniforms`, `None` where no piece does."""
-    acceptance, sampler = step.acceptance, step.sampler
-    return (
-        type(acceptance).__name__ if acceptance.reads_uniforms else None,
-        type(sampler).__name__ if sampler.reads_uniforms else None,
-    )
-
-
-def resolve_uniforms(
-    shape: tuple[int, ...],
-    accept_uniforms: Array | None,
-    sample_uniforms: Array | None,
-    key: KeyArray | None,
-    readers: tuple[str | None, str | None],
-) -> tuple[Array, Array]:
-    """The uniforms as given, drawn from `key`, or zeros where nothing reads them;
-    a `ValueError` where the reader named in `readers` (for `accept_uniforms`, then
-    `sample_uniforms`; `None` for none) needs them and they are missing.
-    """
-    batch, num_draft = shape
-    if key is not None:
-        if accept_uniforms is not None or sample_uniforms is not None:
-            raise ValueError(
-                "pass either key or accept_uniforms and sample_uniforms, not both"
-            )
-        return uniforms(key, batch, num_draft)
-    given = {"accept_uniforms": accept_uniforms, "sample_uniforms": sample_uniforms}
-    for (name, value), reader in zip(given.items(), readers, strict=True):
-        if value is None and reader is not None:
-            raise ValueError(
-                f"{name} is required: {reader} reads it; pass it, or key= to draw"
-            )
-    if accept_uniforms is None:
-        accept_uniforms = jnp.zeros((batch, num_draft), jnp.float32)
-    if sample_uniforms is None:
-        sample_uniforms = jnp.zeros((batch,), jnp.float32)
-    return accept_uniforms, sample_uniforms
-
-
-def optional_array(x: InputArray | None) -> Array | None:
-    return None if x is None else jnp.asarray(x)
-
-
-def optional_index_array(x: InputArray | None) -> Array | None:
-    return None if x is None else index_array(x)
 
 
 def assemble_tokens(

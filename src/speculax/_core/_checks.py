@@ -55,6 +55,41 @@ def check_structure(
     )
 
 
+def check_tree_structure(
+    parents: Array,
+    tree_tokens: Array,
+    draft_probs: Array | None,
+    target_probs: Array,
+    accept_uniforms: Array | None,
+    sample_uniforms: Array | None,
+) -> None:
+    """The tree step's `check_structure`: raises `ValueError` for a wrong rank or
+    disagreeing sizes and `TypeError` for a wrong kind of dtype, naming the argument;
+    `None` (deterministic drafts, uniforms not given) is skipped."""
+    patterns = {
+        "parents": (parents, "(B, N)", jnp.integer),
+        "tree_tokens": (tree_tokens, "(B, N)", jnp.integer),
+        "draft_probs": (draft_probs, "(B, N + 1, V)", jnp.floating),
+        "target_probs": (target_probs, "(B, N + 1, V)", jnp.floating),
+        "accept_uniforms": (accept_uniforms, "(B, N)", jnp.floating),
+        "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
+    }
+    check_ranks_and_dtypes(patterns)
+    batch, num_nodes = parents.shape
+    vocab = checked_vocab(target_probs)
+    check_sizes(
+        patterns,
+        {
+            "tree_tokens": (batch, num_nodes),
+            "target_probs": (batch, num_nodes + 1, vocab),
+            "draft_probs": (batch, num_nodes + 1, vocab),
+            "accept_uniforms": (batch, num_nodes),
+            "sample_uniforms": (batch,),
+        },
+        f"with B and N from parents {tuple(parents.shape)} and V from target_probs",
+    )
+
+
 # Each argument's array (None when not given), its shape as a pattern such as
 # "(B, G + 1, V)", and the kind of dtype it must have.
 Patterns: TypeAlias = Mapping[str, tuple[Array | None, str, type[np.generic]]]

@@ -5,14 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._chain._step import (
-    StepOutput,
-    assemble_tokens,
-    optional_array,
-    optional_index_array,
-    resolve_uniforms,
-)
-from .._core._checks import check_structure
+from .._chain._step import StepOutput, assemble_tokens
 from .._core._failures import (
     RESULTS,
     Failure,
@@ -23,7 +16,9 @@ from .._core._failures import (
     sampled_failure,
     stopping_row_failures,
 )
-from .._core._numerics import arithmetic_dtype, as_index, flush_subnormal, index_array
+from .._core._numerics import arithmetic_dtype, flush_subnormal
+from .._core._rows import read_row
+from .._inputs._coercion import StepInputs, coerce_inputs
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._pieces._prefix import PrefixCount
@@ -34,7 +29,6 @@ from ._truncation import (
     RowStatistics,
     loops_over_rows,
     probability,
-    read_logits_row,
     request_statistics,
 )
 
@@ -202,39 +196,26 @@ class LogitsStep(eqx.Module):
         A tuple `(output, result)`: the [`speculax.StepOutput`][] dict, and a
         [`speculax.RESULTS`][] item of shape `(B,)` per row.
         """
-        draft_tokens = index_array(draft_tokens)
-        target_logits = jnp.asarray(target_logits)
-        draft_logits = optional_array(draft_logits)
-        num_draft_tokens = optional_index_array(num_draft_tokens)
-        accept_uniforms = optional_array(accept_uniforms)
-        sample_uniforms = optional_array(sample_uniforms)
-        check_structure(
+        inputs = coerce_inputs(
             draft_tokens,
             draft_logits,
             target_logits,
             accept_uniforms,
             sample_uniforms,
-            num_draft_tokens,
+            num_draft_tokens=num_draft_tokens,
             given_as="logits",
         )
-        draft_tokens = as_index(draft_tokens)
-        if num_draft_tokens is not None:
-            num_draft_tokens = as_index(num_draft_tokens)
-        batch, num_draft, vocab = target_logits.shape
-        num_draft -= 1
+        batch, num_draft = inputs.tokens.shape
+        # The parameters' errors come before the uniforms'.
         parameters = sampling_parameters(
             temperature,
             top_k,
             top_p,
             batch,
-            arithmetic_dtype(target_logits, draft_logits),
+            arithmetic_dtype(inputs.target, inputs.draft),
         )
-        accept_uniforms, sample_uniforms = resolve_uniforms(
-            draft_tokens.shape,
-            accept_uniforms,
-            sample_uniforms,
-            key,
-            ("LogitsStep", "LogitsStep"),
+        accept_uniforms, sample_uniforms = inputs.uniforms(
+            key, ("LogitsStep", "LogitsStep")
         )
         if batch == 0:
             empty: StepOutput = {
@@ -242,60 +223,112 @@ class LogitsStep(eqx.Module):
                 "tokens": jnp.zeros((0, num_draft + 1), jnp.int32),
             }
             return empty, first_failure([], 0)
-        length = (
-            jnp.full((batch,), num_draft, jnp.int32)
-            if num_draft_tokens is None
-            else jnp.clip(num_draft_tokens, 0, num_draft)
-        )
-        in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
-        target = request_statistics(target_logits, parameters)
-        draft = None
-        if draft_logits is not None:
-            draft = request_statistics(draft_logits, parameters)
-        passed = _verdicts(
-            draft_tokens,
-            draft_logits,
-            target_logits,
+        num_accepted, drawn, read_failures = _verify(
+            inputs,
             accept_uniforms,
-            parameters,
-            target,
-            draft,
-        )
-        num_accepted = PrefixCount()(passed & in_use)
-        drawn, row_failures = _draw(
-            num_accepted,
-            length,
-            draft_tokens,
-            draft_logits,
-            target_logits,
             sample_uniforms,
             parameters,
-            target,
-            draft,
+            check_values=self.check_values,
         )
         failures: list[Failure] = []
         if self.check_values:
-            failures = [
-                *draft_failures(
-                    draft_tokens,
-                    accept_uniforms,
-                    sample_uniforms,
-                    num_draft_tokens,
-                    vocab,
-                ),
-                *parameters.failures(),
-                *_logits_failures(length, num_accepted, parameters, target, draft),
-                *row_failures,
-                sampled_failure(drawn, vocab),
-            ]
+            failures = _value_failures(
+                inputs,
+                accept_uniforms,
+                sample_uniforms,
+                parameters,
+                read_failures,
+                drawn,
+            )
         result = first_failure(failures, batch)
         output: StepOutput = {
             "num_accepted": num_accepted.astype(jnp.int32),
-            "tokens": assemble_tokens(draft_tokens, num_accepted, drawn),
+            "tokens": assemble_tokens(inputs.tokens, num_accepted, drawn),
         }
         return report_failures(
             output, result, check_values=self.check_values, throw=self.throw
         )
+
+
+def _verify(
+    inputs: StepInputs,
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+    parameters: SamplingParameters,
+    *,
+    check_values: bool,
+) -> tuple[Int[Array, " batch"], Int[Array, " batch"], list[Failure]]:
+    """The verification of a non-empty batch: the statistics of every row of
+    logits, each draft's test, the number $n$ of drafts accepted and the token drawn
+    at $n$, each `(batch,)`; with `check_values`, the failures of the logits the step
+    read (`_logits_failures`, then the stopping rows'), else none."""
+    draft_tokens, draft_logits = inputs.tokens, inputs.draft
+    target_logits, num_draft_tokens = inputs.target, inputs.num_draft_tokens
+    num_draft = draft_tokens.shape[1]
+    length = (
+        jnp.full((draft_tokens.shape[0],), num_draft, jnp.int32)
+        if num_draft_tokens is None
+        else jnp.clip(num_draft_tokens, 0, num_draft)
+    )
+    in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
+    target = request_statistics(target_logits, parameters)
+    draft = None
+    if draft_logits is not None:
+        draft = request_statistics(draft_logits, parameters)
+    passed = _verdicts(
+        draft_tokens,
+        draft_logits,
+        target_logits,
+        accept_uniforms,
+        parameters,
+        target,
+        draft,
+    )
+    num_accepted = PrefixCount()(passed & in_use)
+    drawn, row_failures = _draw(
+        num_accepted,
+        length,
+        draft_tokens,
+        draft_logits,
+        target_logits,
+        sample_uniforms,
+        parameters,
+        target,
+        draft,
+    )
+    failures: list[Failure] = []
+    if check_values:
+        failures = [
+            *_logits_failures(length, num_accepted, parameters, target, draft),
+            *row_failures,
+        ]
+    return num_accepted, drawn, failures
+
+
+def _value_failures(
+    inputs: StepInputs,
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+    parameters: SamplingParameters,
+    read_failures: list[Failure],
+    drawn: Int[Array, " batch"],
+) -> list[Failure]:
+    """Every value check, in the order of [`speculax.RESULTS`][]: the tokens, the
+    uniforms and the lengths, the parameters, the logits read (`read_failures`,
+    from `_verify`), and the token drawn."""
+    vocab = inputs.target.shape[-1]
+    return [
+        *draft_failures(
+            inputs.tokens,
+            accept_uniforms,
+            sample_uniforms,
+            inputs.num_draft_tokens,
+            vocab,
+        ),
+        *parameters.failures(),
+        *read_failures,
+        sampled_failure(drawn, vocab),
+    ]
 
 
 def _verdicts(
@@ -412,7 +445,7 @@ def _probability_rows(
 
     def one_row(b):
         row_statistics = jax.tree.map(lambda x: x[b], at_position)
-        row = read_logits_row(logits, b, position[b])
+        row = read_row(logits, b, position[b]).astype(arithmetic_dtype(logits))
         return probability(row, tokens, row_statistics, temperature[b])
 
     return jax.lax.map(one_row, rows)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt
 
 from .._core._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
+from .._core._rows import read_row
 from ._parameters import SamplingParameters
 
 
@@ -147,7 +148,7 @@ def row_statistics(
     def one_chunk(first: Int[Array, ""]) -> RowStatistics:
         # The last chunk repeats the last row instead of reading past the array.
         rows = jnp.minimum(first + jnp.arange(chunk), num_rows - 1)
-        block = jnp.stack([read_logits_row(logits, row) for row in rows])
+        block = jnp.stack([read_row(logits, row).astype(dtype) for row in rows])
         operands = (block, temperature[rows], top_k[rows], top_p[rows])
         return jax.lax.cond(
             jnp.any(truncating[rows]),
@@ -166,24 +167,6 @@ def loops_over_rows() -> bool:
     cache and XLA's batched gathers are slow; elsewhere the rows go at once, since a
     loop would run serially on an accelerator."""
     return jax.default_backend() == "cpu"
-
-
-def read_logits_row(
-    logits: Float[Array, "*lead vocab"], *index: Int[Array, ""]
-) -> Float[Array, " vocab"]:
-    """`logits[index]` in the arithmetic dtype, by `dynamic_slice`, inside a loop.
-
-    The optimisation barrier ties the array to the loop's index: without it XLA CPU
-    hoists the conversion of a half-precision array out of the loop, converting the
-    whole array to float32 first (twice its size, and an extra pass).
-    """
-    # One index type for dynamic_slice, whatever x64 makes of the callers' indices.
-    index = tuple(jnp.asarray(i, jnp.int32) for i in index)
-    logits, position = jax.lax.optimization_barrier((logits, index))
-    vocab = logits.shape[-1]
-    start = (*position, jnp.zeros((), jnp.int32))
-    row = jax.lax.dynamic_slice(logits, start, (1,) * len(position) + (vocab,))
-    return row.reshape(vocab).astype(arithmetic_dtype(logits))
 
 
 class _Row(eqx.Module):

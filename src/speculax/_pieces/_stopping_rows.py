@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._core._numerics import flush_subnormal, ordered_block_sums, upcast
+from .._core._rows import read_probs_row
 from .._core._vocab_axis import one_hot_over_vocab, sum_over_vocab, vocab_offset
 
 
@@ -295,9 +296,11 @@ def _row_block_sums(
             # Explicit int32 indices: dynamic_slice wants one index type, and under
             # x64 Python ints would become int64.
             stop = num_accepted[b].astype(jnp.int32)
-            target_row = read_row(target_probs, b, stop)
+            target_row = read_probs_row(target_probs, b, stop)
             if draft_probs is not None and num_draft > 0:
-                draft_row = read_row(draft_probs, b, jnp.minimum(stop, num_draft - 1))
+                draft_row = read_probs_row(
+                    draft_probs, b, jnp.minimum(stop, num_draft - 1)
+                )
             elif rejected is not None:
                 draft_row = one_hot_over_vocab(
                     rejected[b], vocab, target_row.dtype, None
@@ -357,14 +360,3 @@ def _per_row_default() -> bool:
 
 def _half(*arrays: Array) -> bool:
     return any(x.dtype.itemsize < 4 for x in arrays)
-
-
-def read_row(
-    probs: Float[Array, "batch positions vocab"],
-    b: Int[Array, ""],
-    position: Int[Array, ""],
-) -> Float[Array, " vocab"]:
-    """`probs[b, position]`, upcast, read in place by `dynamic_slice`."""
-    zero = jnp.zeros((), jnp.int32)
-    row = jax.lax.dynamic_slice(probs, (b, position, zero), (1, 1, probs.shape[-1]))
-    return upcast(row[0, 0])

@@ -9,13 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._chain._step import optional_array, resolve_uniforms
-from .._core._checks import (
-    check_ranks_and_dtypes,
-    check_sizes,
-    check_static_int,
-    checked_vocab,
-)
+from .._core._checks import check_static_int
 from .._core._failures import (
     RESULTS,
     Failure,
@@ -26,12 +20,11 @@ from .._core._failures import (
 )
 from .._core._numerics import (
     arithmetic_dtype,
-    as_index,
-    index_array,
     ordered_block_sums,
     upcast,
 )
 from .._core._vocab_axis import ordered_row_sums
+from .._inputs._coercion import coerce_inputs, uniform_reader
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._pieces._sampling import AbstractBlockSumSampler, AbstractSampler, block_reader
@@ -194,32 +187,23 @@ class AbstractTreeStep(eqx.Module):
         A tuple `(output, result)`: the [`speculax.TreeOutput`][] dict, and a
         [`speculax.RESULTS`][] item of shape `(B,)` per row.
         """
-        # An unrepresentable parent becomes -2, out of range, not -1 (unused).
-        parents = index_array(parents, unrepresentable=-2)
-        tree_tokens = index_array(tree_tokens)
-        target_probs = jnp.asarray(target_probs)
-        draft_probs = optional_array(draft_probs)
-        accept_uniforms = optional_array(accept_uniforms)
-        sample_uniforms = optional_array(sample_uniforms)
-        _check_tree_structure(
-            parents,
+        inputs = coerce_inputs(
             tree_tokens,
             draft_probs,
             target_probs,
             accept_uniforms,
             sample_uniforms,
+            parents=parents,
         )
-        batch, num_nodes = parents.shape
         # The walk reads every node's coin; the sampler may read no uniform.
-        sampler = type(self.sampler).__name__ if self.sampler.reads_uniforms else None
-        accept_uniforms, sample_uniforms = resolve_uniforms(
-            parents.shape,
-            accept_uniforms,
-            sample_uniforms,
-            key,
-            (type(self).__name__, sampler),
+        accept_uniforms, sample_uniforms = inputs.uniforms(
+            key, (type(self).__name__, uniform_reader(self.sampler))
         )
-        parents, tree_tokens = as_index(parents, -2), as_index(tree_tokens)
+        # Given parents, coerce_inputs returns them.
+        assert inputs.parents is not None
+        parents, tree_tokens = inputs.parents, inputs.tokens
+        draft_probs, target_probs = inputs.draft, inputs.target
+        batch, num_nodes = parents.shape
         max_depth = num_nodes if self.max_depth is None else self.max_depth
         vocab = target_probs.shape[-1]
 
@@ -342,40 +326,6 @@ class AbstractTreeStep(eqx.Module):
             (overflows, RESULTS.target_row_overflows),
         ]
         return drawn, failures
-
-
-def _check_tree_structure(
-    parents: Array,
-    tree_tokens: Array,
-    draft_probs: Array | None,
-    target_probs: Array,
-    accept_uniforms: Array | None,
-    sample_uniforms: Array | None,
-) -> None:
-    """Trace-time checks of ranks, sizes and dtypes, naming the argument, as for the
-    chain step."""
-    patterns = {
-        "parents": (parents, "(B, N)", jnp.integer),
-        "tree_tokens": (tree_tokens, "(B, N)", jnp.integer),
-        "draft_probs": (draft_probs, "(B, N + 1, V)", jnp.floating),
-        "target_probs": (target_probs, "(B, N + 1, V)", jnp.floating),
-        "accept_uniforms": (accept_uniforms, "(B, N)", jnp.floating),
-        "sample_uniforms": (sample_uniforms, "(B,)", jnp.floating),
-    }
-    check_ranks_and_dtypes(patterns)
-    batch, num_nodes = parents.shape
-    vocab = checked_vocab(target_probs)
-    check_sizes(
-        patterns,
-        {
-            "tree_tokens": (batch, num_nodes),
-            "target_probs": (batch, num_nodes + 1, vocab),
-            "draft_probs": (batch, num_nodes + 1, vocab),
-            "accept_uniforms": (batch, num_nodes),
-            "sample_uniforms": (batch,),
-        },
-        f"with B and N from parents {tuple(parents.shape)} and V from target_probs",
-    )
 
 
 def _tree_failures(

@@ -17,9 +17,9 @@ from .._core._numerics import (
     flush_subnormal,
     upcast,
 )
+from .._core._rows import read_probs_row
 from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums
 from .._pieces._sampling import AbstractSampler, InverseCDF
-from .._pieces._stopping_rows import read_row
 from ._abstract import AbstractTreeStep, TreeWalk, start_walk
 from ._siblings import AbstractSiblingRule, IndependentSiblings
 
@@ -72,12 +72,12 @@ class TreeStep(AbstractTreeStep):
         dtype = arithmetic_dtype(draft_probs, target_probs)
 
         def target_row(node):
-            return read_row(target_probs, b, node)
+            return read_probs_row(target_probs, b, node)
 
         def draft_row(node, token):
             if draft_probs is None:
                 return one_hot_over_vocab(token, vocab, dtype, None)
-            return read_row(draft_probs, b, node)
+            return read_probs_row(draft_probs, b, node)
 
         def visit(j, walk: TreeWalk) -> TreeWalk:
             token = tree_tokens[b, j]

@@ -11,10 +11,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import holds_bad_values, not_a_probability
 from .._core._numerics import arithmetic_dtype, flush_subnormal, upcast
+from .._core._rows import read_probs_row
 from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums
 from .._pieces._block import block_continuation, next_ratio
 from .._pieces._sampling import AbstractSampler, InverseCDF
-from .._pieces._stopping_rows import read_row
 from ._abstract import AbstractTreeStep, TreeWalk, start_walk
 from ._siblings import AbstractSiblingRule, IndependentSiblings
 
@@ -197,12 +197,12 @@ class TraversalStep(AbstractTreeStep):
             parent = position.path[parent_depth]
             token = token_of(node)
             updated = position.updated[parent_depth]
-            own_target = read_row(target_probs, b, parent)
+            own_target = read_probs_row(target_probs, b, parent)
             if draft_probs is None:
                 own_draft = one_hot_over_vocab(token, vocab, dtype, None)
                 draft = own_draft
             else:
-                own_draft = read_row(draft_probs, b, parent)
+                own_draft = read_probs_row(draft_probs, b, parent)
                 draft = jnp.where(updated, left.draft[parent_depth], own_draft)
             target = jnp.where(
                 updated,
