@@ -97,10 +97,10 @@ class TreeStep(AbstractTreeStep):
 def _test_child(
     rows: TreeRows, j: Int[Array, ""], token: Int[Array, ""], walk: TreeWalk
 ) -> tuple[TreeWalk, Bool[Array, ""]]:
-    """Tests draft node `j + 1` of row `b`, a child of the current node with token
-    `token`, against the current distributions: it passes when
-    $u \\, q(c) < p(c)$. Returns the walk with the checks of the values read at the
-    token, and whether the child passed."""
+    """Tests draft node `j + 1`, a child of the current node with token `token`,
+    against the current distributions: it passes when $u \\, q(c) < p(c)$. Returns
+    the walk with the checks of the values read at the token, and whether the child
+    passed."""
     at = jnp.clip(token, 0, rows.vocab - 1)
     raw_target, raw_draft = rows.given_at(walk.current, at)
     target_at = jnp.where(walk.updated, walk.target[at] / walk.target_mass, raw_target)

@@ -59,11 +59,12 @@ class _Left(eqx.Module):
 @final
 class _Links(eqx.Module):
     """A row's tree as the walk goes over it, from `_tree_links`: the depth of every
-    node, and each node's first child and next sibling within the walk."""
+    node, and each node's first child and next sibling within the walk, indexed by
+    node (the root and the $N$ draft nodes)."""
 
-    depth: Int[Array, " nodes+1"]
-    first_child: Int[Array, " nodes+1"]
-    next_sibling: Int[Array, " nodes+1"]
+    depth: Int[Array, " positions"]
+    first_child: Int[Array, " positions"]
+    next_sibling: Int[Array, " positions"]
 
 
 @final
@@ -124,7 +125,11 @@ class TraversalStep(AbstractTreeStep):
         accept_uniforms: Float[Array, "batch nodes"],
     ) -> TreeWalk:
         """One event per loop iteration, entering a node or testing one: at most
-        two per node and one for the root. Only a failed test reads whole rows."""
+        two per node and one for the root. Only a failed test reads whole rows.
+
+        `_advance` enters and tests nodes until a test fails, `_delete` deletes the
+        failed node and updates its parent, until a node passes; `_walk_end` reads
+        where the walk ended."""
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
         start = start_walk(vocab, dtype, max_depth)
@@ -133,7 +138,7 @@ class TraversalStep(AbstractTreeStep):
             b, tree_tokens, draft_probs, target_probs, accept_uniforms, dtype
         )
 
-        # Both loops take the same branch functions, traced once.
+        # Both loops take the same branch functions, so JAX traces them once.
         test = functools.partial(_test, rows, links)
         enter = functools.partial(_enter_from_given_rows, rows, links)
 
