@@ -6,7 +6,7 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import (
     holds_bad_values,
@@ -15,12 +15,11 @@ from .._core._failures import (
 from .._core._numerics import (
     arithmetic_dtype,
     flush_subnormal,
-    upcast,
 )
-from .._core._rows import read_probs_row
-from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums
+from .._core._vocab_axis import ordered_row_sums
 from .._pieces._sampling import AbstractSampler, InverseCDF
 from ._abstract import AbstractTreeStep, TreeWalk, start_walk
+from ._rows import TreeRows
 from ._siblings import AbstractSiblingRule, IndependentSiblings
 
 
@@ -70,14 +69,9 @@ class TreeStep(AbstractTreeStep):
         children of a node all follow it). Only a failed test reads whole rows."""
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
-
-        def target_row(node):
-            return read_probs_row(target_probs, b, node)
-
-        def draft_row(node, token):
-            if draft_probs is None:
-                return one_hot_over_vocab(token, vocab, dtype, None)
-            return read_probs_row(draft_probs, b, node)
+        rows = TreeRows(
+            b, tree_tokens, draft_probs, target_probs, accept_uniforms, dtype
+        )
 
         def visit(j, walk: TreeWalk) -> TreeWalk:
             token = tree_tokens[b, j]
@@ -89,90 +83,104 @@ class TreeStep(AbstractTreeStep):
             return walk
 
         def test(j, token, walk: TreeWalk) -> TreeWalk:
-            at = jnp.clip(token, 0, vocab - 1)
-            raw_target = upcast(target_probs[b, walk.current, at])
-            if draft_probs is None:
-                raw_draft = jnp.ones((), dtype)
-            else:
-                raw_draft = upcast(draft_probs[b, walk.current, at])
-            target_at = jnp.where(
-                walk.updated, walk.target[at] / walk.target_mass, raw_target
-            )
-            draft_at = jnp.where(
-                walk.updated & (draft_probs is not None), walk.draft[at], raw_draft
-            )
-            walk = eqx.tree_at(
-                lambda w: (w.bad_target, w.bad_draft),
-                walk,
-                (
-                    walk.bad_target | not_a_probability(raw_target),
-                    walk.bad_draft | not_a_probability(raw_draft),
-                ),
-            )
-            passed = accept_uniforms[b, j] * draft_at < target_at
-            return jax.lax.cond(passed, accept, reject, j, token, walk)
-
-        def accept(j, token, walk: TreeWalk) -> TreeWalk:
-            # int32 whatever the loop's index type (int64 under x64).
-            node = (j + 1).astype(jnp.int32)
-            return eqx.tree_at(
-                lambda w: (w.current, w.depth, w.updated, w.path_tokens, w.path_nodes),
-                walk,
-                (
-                    node,
-                    walk.depth + 1,
-                    jnp.array(False),
-                    walk.path_tokens.at[walk.depth].set(token),
-                    walk.path_nodes.at[walk.depth].set(node),
-                ),
-            )
+            walk, passed = _test_child(rows, j, token, walk)
+            return jax.lax.cond(passed, _accept, reject, j, token, walk)
 
         def reject(j, token, walk: TreeWalk) -> TreeWalk:
             del j
-            own_target = target_row(walk.current)
-            own_draft = draft_row(walk.current, token)
-            # Both rows here are normalised: the node's own rows as given, or what
-            # the children before left, divided by its mass.
-            target = jnp.where(walk.updated, walk.target / walk.target_mass, own_target)
-            if draft_probs is None:
-                draft = own_draft
-            else:
-                draft = jnp.where(walk.updated, walk.draft, own_draft)
-            left, draft = self.siblings(target, draft, token)
-            # A difference of two normal numbers can be subnormal: it counts as zero.
-            left = flush_subnormal(left)
-            mass = ordered_row_sums(left, None)
-            fallback = mass == 0
-            left = jnp.where(fallback, own_target, left)
-            mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
-            draft_mass = ordered_row_sums(draft, None)
-            draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
-            # The node's rows as given are checked whole at its first failed test:
-            # a bad value anywhere in them would reach the draw.
-            first = ~walk.updated
-            return eqx.tree_at(
-                lambda w: (
-                    w.updated,
-                    w.target,
-                    w.target_mass,
-                    w.draft,
-                    w.bad_target_row,
-                    w.bad_draft_row,
-                    w.overflow,
-                ),
-                walk,
-                (
-                    jnp.array(True),
-                    left,
-                    mass,
-                    draft,
-                    walk.bad_target_row
-                    | (first & holds_bad_values(own_target, axis=None)),
-                    walk.bad_draft_row
-                    | (first & holds_bad_values(own_draft, axis=None)),
-                    walk.overflow | jnp.isinf(mass),
-                ),
-            )
+            return _reject(self.siblings, rows, token, walk)
 
         start = start_walk(vocab, dtype, max_depth)
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
+
+
+def _test_child(
+    rows: TreeRows, j: Int[Array, ""], token: Int[Array, ""], walk: TreeWalk
+) -> tuple[TreeWalk, Bool[Array, ""]]:
+    """Tests draft node `j + 1`, a child of the current node with token `token`,
+    against the current distributions: it passes when $u \\, q(c) < p(c)$. Returns
+    the walk with the checks of the values read at the token, and whether the child
+    passed."""
+    at = jnp.clip(token, 0, rows.vocab - 1)
+    raw_target, raw_draft = rows.given_at(walk.current, at)
+    target_at = jnp.where(walk.updated, walk.target[at] / walk.target_mass, raw_target)
+    draft_at = jnp.where(
+        walk.updated & (rows.draft_probs is not None), walk.draft[at], raw_draft
+    )
+    walk = eqx.tree_at(
+        lambda w: (w.bad_target, w.bad_draft),
+        walk,
+        (
+            walk.bad_target | not_a_probability(raw_target),
+            walk.bad_draft | not_a_probability(raw_draft),
+        ),
+    )
+    return walk, rows.accept_uniforms[rows.b, j] * draft_at < target_at
+
+
+def _accept(j: Int[Array, ""], token: Int[Array, ""], walk: TreeWalk) -> TreeWalk:
+    """Moves the walk into the child that passed, draft node `j + 1` of token
+    `token`: it becomes the current node, with its own rows."""
+    # int32 whatever the loop's index type (int64 under x64).
+    node = (j + 1).astype(jnp.int32)
+    return eqx.tree_at(
+        lambda w: (w.current, w.depth, w.updated, w.path_tokens, w.path_nodes),
+        walk,
+        (
+            node,
+            walk.depth + 1,
+            jnp.array(False),
+            walk.path_tokens.at[walk.depth].set(token),
+            walk.path_nodes.at[walk.depth].set(node),
+        ),
+    )
+
+
+def _reject(
+    siblings: AbstractSiblingRule, rows: TreeRows, token: Int[Array, ""], walk: TreeWalk
+) -> TreeWalk:
+    """Applies the sibling rule for the child of token `token` that failed: the
+    current node's distributions become what it leaves, the target unnormalised
+    with its mass (the node's own target row where it leaves no mass), the draft
+    normalised; the node's rows are read whole, and checked at its first failure."""
+    own_target, own_draft = rows.own_rows(walk.current, token)
+    # Both rows here are normalised: the node's own rows as given, or what the
+    # children before left, divided by its mass.
+    target = jnp.where(walk.updated, walk.target / walk.target_mass, own_target)
+    if rows.draft_probs is None:
+        draft = own_draft
+    else:
+        draft = jnp.where(walk.updated, walk.draft, own_draft)
+    left, draft = siblings(target, draft, token)
+    # A difference of two normal numbers can be subnormal: it counts as zero.
+    left = flush_subnormal(left)
+    mass = ordered_row_sums(left, None)
+    fallback = mass == 0
+    left = jnp.where(fallback, own_target, left)
+    mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
+    draft_mass = ordered_row_sums(draft, None)
+    draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+    # The node's rows as given are checked whole at its first failed test: a bad
+    # value anywhere in them would reach the draw.
+    first = ~walk.updated
+    return eqx.tree_at(
+        lambda w: (
+            w.updated,
+            w.target,
+            w.target_mass,
+            w.draft,
+            w.bad_target_row,
+            w.bad_draft_row,
+            w.overflow,
+        ),
+        walk,
+        (
+            jnp.array(True),
+            left,
+            mass,
+            draft,
+            walk.bad_target_row | (first & holds_bad_values(own_target, axis=None)),
+            walk.bad_draft_row | (first & holds_bad_values(own_draft, axis=None)),
+            walk.overflow | jnp.isinf(mass),
+        ),
+    )

@@ -2,6 +2,8 @@
 path from the root as a whole, visiting the nodes deepest first. See
 `docs/keeping_more.md`."""
 
+import functools
+from collections.abc import Callable
 from typing import final
 
 import equinox as eqx
@@ -10,12 +12,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import holds_bad_values, not_a_probability
-from .._core._numerics import arithmetic_dtype, flush_subnormal, upcast
-from .._core._rows import read_probs_row
-from .._core._vocab_axis import one_hot_over_vocab, ordered_row_sums
+from .._core._numerics import arithmetic_dtype, flush_subnormal
+from .._core._vocab_axis import ordered_row_sums
 from .._pieces._block import block_continuation, next_ratio
 from .._pieces._sampling import AbstractSampler, InverseCDF
 from ._abstract import AbstractTreeStep, TreeWalk, start_walk
+from ._rows import TreeRows
 from ._siblings import AbstractSiblingRule, IndependentSiblings
 
 
@@ -52,6 +54,17 @@ class _Left(eqx.Module):
     bad_target_row: Bool[Array, ""]
     bad_draft_row: Bool[Array, ""]
     overflow: Bool[Array, ""]
+
+
+@final
+class _Links(eqx.Module):
+    """A row's tree as the walk goes over it, from `_tree_links`: the depth of every
+    node, and each node's first child and next sibling within the walk, indexed by
+    node (the root and the $N$ draft nodes)."""
+
+    depth: Int[Array, " positions"]
+    first_child: Int[Array, " positions"]
+    next_sibling: Int[Array, " positions"]
 
 
 @final
@@ -112,233 +125,373 @@ class TraversalStep(AbstractTreeStep):
         accept_uniforms: Float[Array, "batch nodes"],
     ) -> TreeWalk:
         """One event per loop iteration, entering a node or testing one: at most
-        two per node and one for the root. Only a failed test reads whole rows."""
+        two per node and one for the root. Only a failed test reads whole rows.
+
+        `_advance` enters and tests nodes until a test fails, `_delete` deletes the
+        failed node and updates its parent, until a node passes; `_walk_end` reads
+        where the walk ended."""
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
         start = start_walk(vocab, dtype, max_depth)
-        depth, first_child, next_sibling = _tree_links(parents[b], max_depth)
+        links = _tree_links(parents[b], max_depth)
+        rows = TreeRows(
+            b, tree_tokens, draft_probs, target_probs, accept_uniforms, dtype
+        )
 
-        def token_of(node):
-            return jnp.clip(tree_tokens[b, node - 1], 0, vocab - 1)
-
-        def advance(position: _Position) -> _Position:
-            """Enters nodes and tests them until a test fails or the walk is done.
-            Every node entered here has a parent that has lost no child (only the
-            first sibling after a deletion does, and `delete` enters it), so only
-            the inputs are read: the loop carries no row."""
-
-            def going(position: _Position) -> Bool[Array, ""]:
-                return ~position.done & ~position.failed
-
-            def event(position: _Position) -> _Position:
-                return jax.lax.cond(position.testing, test, enter_fresh, position)
-
-            return jax.lax.while_loop(going, event, position)
-
-        def enter_fresh(position: _Position) -> _Position:
-            child = position.node
-            parent = position.path[depth[child] - 1]
-            token = token_of(child)
-            raw_target, raw_draft = raw_at(parent, token)
-            return enter(position, raw_target, raw_draft, raw_target, raw_draft)
-
-        def raw_at(parent, token):
-            """The parent's rows as given, at the child's token."""
-            raw_target = upcast(target_probs[b, parent, token])
-            if draft_probs is None:
-                return raw_target, jnp.ones((), dtype)
-            return raw_target, upcast(draft_probs[b, parent, token])
-
-        def enter(position, target_at, draft_at, raw_target, raw_draft) -> _Position:
-            """Enters `position.node` from its parent, whose current distributions
-            give the node's token `target_at` and `draft_at` (`raw_target` and
-            `raw_draft` as given, for the checks)."""
-            child = position.node
-            at_depth = depth[child]
-            ratio = next_ratio(position.ratio[at_depth - 1], target_at, draft_at)
-            first = first_child[child]
-            return eqx.tree_at(
-                lambda p: (
-                    p.node,
-                    p.testing,
-                    p.path,
-                    p.ratio,
-                    p.updated,
-                    p.bad_target,
-                    p.bad_draft,
-                ),
-                position,
-                (
-                    jnp.where(first > 0, first, child),
-                    first == 0,
-                    position.path.at[at_depth].set(child),
-                    position.ratio.at[at_depth].set(ratio),
-                    # Out of range (a leaf at max_depth) drops the update.
-                    position.updated.at[at_depth].set(False, mode="drop"),
-                    position.bad_target | not_a_probability(raw_target),
-                    position.bad_draft | not_a_probability(raw_draft),
-                ),
-            )
-
-        def test(position: _Position) -> _Position:
-            node = position.node
-            index = jnp.maximum(node - 1, 0)
-            ratio = position.ratio[depth[node]]
-            passed = (node == 0) | (accept_uniforms[b, index] < ratio)
-            return eqx.tree_at(
-                lambda p: (p.done, p.failed), position, (passed, ~passed)
-            )
-
-        def delete(position: _Position, left: _Left) -> tuple[_Position, _Left]:
-            """Deletes the node that failed its test, updates its parent, and
-            enters the next sibling, if any, from the updated parent."""
-            node = position.node
-            parent_depth = depth[node] - 1
-            parent = position.path[parent_depth]
-            token = token_of(node)
-            updated = position.updated[parent_depth]
-            own_target = read_probs_row(target_probs, b, parent)
-            if draft_probs is None:
-                own_draft = one_hot_over_vocab(token, vocab, dtype, None)
-                draft = own_draft
-            else:
-                own_draft = read_probs_row(draft_probs, b, parent)
-                draft = jnp.where(updated, left.draft[parent_depth], own_draft)
-            target = jnp.where(
-                updated,
-                left.target[parent_depth] / left.target_mass[parent_depth],
-                own_target,
-            )
-            ratio = position.ratio[parent_depth]
-            excess, draft = self.siblings(ratio * target, draft, token)
-            # A difference of two normal numbers can be subnormal: it counts as zero.
-            excess = flush_subnormal(excess)
-            mass = ordered_row_sums(excess, None)
-            ratio = block_continuation(mass, ratio)
-            excess, mass = jax.lax.cond(
-                mass == 0,
-                lambda: (own_target, ordered_row_sums(own_target, None)),
-                lambda: (excess, mass),
-            )
-            draft_mass = ordered_row_sums(draft, None)
-            draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
-            position = eqx.tree_at(
-                lambda p: (p.node, p.testing, p.failed, p.ratio, p.updated),
-                position,
-                (
-                    parent,
-                    jnp.array(True),
-                    jnp.array(False),
-                    position.ratio.at[parent_depth].set(ratio),
-                    position.updated.at[parent_depth].set(True),
-                ),
-            )
-            sibling = next_sibling[node]
-            sibling_token = token_of(sibling)
-            raw_target, raw_draft = raw_at(parent, sibling_token)
-            draft_at = raw_draft if draft_probs is None else draft[sibling_token]
-            entered = enter(
-                eqx.tree_at(lambda p: (p.node, p.testing), position, (sibling, False)),
-                excess[sibling_token] / mass,
-                draft_at,
-                raw_target,
-                raw_draft,
-            )
-            position = jax.tree.map(
-                lambda a, b: jnp.where(sibling > 0, a, b), entered, position
-            )
-            # The node's rows as given are checked whole when it first loses a
-            # child: a bad value anywhere in them would reach the draw.
-            first = ~updated
-            left = _Left(
-                target=left.target.at[parent_depth].set(excess),
-                target_mass=left.target_mass.at[parent_depth].set(mass),
-                draft=left.draft.at[parent_depth].set(draft),
-                bad_target_row=left.bad_target_row
-                | (first & holds_bad_values(own_target, axis=None)),
-                bad_draft_row=left.bad_draft_row
-                | (first & holds_bad_values(own_draft, axis=None)),
-                overflow=left.overflow | jnp.isinf(mass),
-            )
-            return position, left
+        # Both loops take the same branch functions, so JAX traces them once.
+        test = functools.partial(_test, rows, links)
+        enter = functools.partial(_enter_from_given_rows, rows, links)
 
         def delete_and_advance(state: tuple[_Position, _Left]):
-            position, left = delete(*state)
-            return advance(position), left
+            position, left = _delete(rows, links, self.siblings, *state)
+            return _advance(test, enter, position), left
 
-        root_child = first_child[0]
-        position = _Position(
-            node=jnp.where(root_child > 0, root_child, 0),
-            testing=root_child == 0,
-            failed=jnp.array(False),
-            done=jnp.array(False),
-            path=jnp.zeros((max_depth + 1,), jnp.int32),
-            ratio=jnp.ones((max_depth + 1,), dtype),
-            updated=jnp.zeros((max_depth,), bool),
-            bad_target=jnp.array(False),
-            bad_draft=jnp.array(False),
-        )
-        left = _Left(
-            target=jnp.zeros((max_depth, vocab), dtype),
-            target_mass=jnp.ones((max_depth,), dtype),
-            draft=jnp.zeros((max_depth, vocab), dtype),
-            bad_target_row=jnp.array(False),
-            bad_draft_row=jnp.array(False),
-            overflow=jnp.array(False),
-        )
+        position = _at_root(links, max_depth, dtype)
+        left = _nothing_left(max_depth, vocab, dtype)
         # One deletion per iteration, the rows outside any branch and the inner
         # loop: XLA CPU copies the (max_depth, V) arrays into every branch.
         final, left = jax.lax.while_loop(
             lambda state: ~state[0].done,
             delete_and_advance,
-            (advance(position), left),
+            (_advance(test, enter, position), left),
         )
-        end = final.node
-        end_depth = depth[end]
-        on_path = jnp.arange(max_depth + 1) < end_depth
-        path_nodes = jnp.where(on_path, jnp.roll(final.path, -1), -1)
-        path_tokens = jnp.where(
-            on_path, tree_tokens[b, jnp.maximum(path_nodes - 1, 0)], -1
-        )
-        # A node at max_depth has no children in the walk: its rows are its own.
-        updated = final.updated.at[end_depth].get(mode="fill", fill_value=False)
-        kept = jnp.minimum(end_depth, max_depth - 1)
-        return eqx.tree_at(
-            lambda w: (
-                w.current,
-                w.depth,
-                w.updated,
-                w.target,
-                w.target_mass,
-                w.path_tokens,
-                w.path_nodes,
-                w.bad_target,
-                w.bad_draft,
-                w.bad_target_row,
-                w.bad_draft_row,
-                w.overflow,
-            ),
-            start,
-            (
-                end,
-                end_depth,
-                updated,
-                left.target[kept],
-                left.target_mass[kept],
-                path_tokens.astype(jnp.int32),
-                path_nodes,
-                final.bad_target,
-                final.bad_draft,
-                left.bad_target_row,
-                left.bad_draft_row,
-                left.overflow,
-            ),
-        )
+        return _walk_end(rows, links, start, final, left, max_depth)
 
 
-def _tree_links(
-    parents: Int[Array, " nodes"], max_depth: int
-) -> tuple[Int[Array, " nodes+1"], Int[Array, " nodes+1"], Int[Array, " nodes+1"]]:
+def _at_root(links: _Links, max_depth: int, dtype: jnp.dtype) -> _Position:
+    """The walk before its first event: entering the root's first child, or testing
+    the root when it has none."""
+    root_child = links.first_child[0]
+    return _Position(
+        node=jnp.where(root_child > 0, root_child, 0),
+        testing=root_child == 0,
+        failed=jnp.array(False),
+        done=jnp.array(False),
+        path=jnp.zeros((max_depth + 1,), jnp.int32),
+        ratio=jnp.ones((max_depth + 1,), dtype),
+        updated=jnp.zeros((max_depth,), bool),
+        bad_target=jnp.array(False),
+        bad_draft=jnp.array(False),
+    )
+
+
+def _nothing_left(max_depth: int, vocab: int, dtype: jnp.dtype) -> _Left:
+    """What the lost children left before any is lost: nothing, `(max_depth, V)`
+    rows of zeros (of mass 1, never read)."""
+    return _Left(
+        target=jnp.zeros((max_depth, vocab), dtype),
+        target_mass=jnp.ones((max_depth,), dtype),
+        draft=jnp.zeros((max_depth, vocab), dtype),
+        bad_target_row=jnp.array(False),
+        bad_draft_row=jnp.array(False),
+        overflow=jnp.array(False),
+    )
+
+
+def _advance(
+    test: Callable[[_Position], _Position],
+    enter: Callable[[_Position], _Position],
+    position: _Position,
+) -> _Position:
+    """Enters nodes and tests them until a test fails or the walk is done, by `test`
+    (`_test`) and `enter` (`_enter_from_given_rows`). Every node entered here has a
+    parent that has lost no child (only the first sibling after a deletion does, and
+    `_delete` enters it), so only the inputs are read: the loop carries no row."""
+
+    def going(position: _Position) -> Bool[Array, ""]:
+        return ~position.done & ~position.failed
+
+    def event(position: _Position) -> _Position:
+        return jax.lax.cond(position.testing, test, enter, position)
+
+    return jax.lax.while_loop(going, event, position)
+
+
+def _enter_from_given_rows(
+    rows: TreeRows, links: _Links, position: _Position
+) -> _Position:
+    """Enters `position.node` from a parent that has lost no child, whose rows are
+    the inputs as given."""
+    child = position.node
+    parent = position.path[links.depth[child] - 1]
+    token = rows.token_of(child)
+    raw_target, raw_draft = rows.given_at(parent, token)
+    return _enter(links, position, raw_target, raw_draft, raw_target, raw_draft)
+
+
+def _enter(
+    links: _Links,
+    position: _Position,
+    target_at: Float[Array, ""],
+    draft_at: Float[Array, ""],
+    raw_target: Float[Array, ""],
+    raw_draft: Float[Array, ""],
+) -> _Position:
+    """Enters `position.node` from its parent, whose current distributions give the
+    node's token `target_at` and `draft_at` (`raw_target` and `raw_draft` as given,
+    for the checks): the node's $\\alpha$ joins the path, and the walk goes on to
+    its first child, or to testing it when it has none."""
+    child = position.node
+    at_depth = links.depth[child]
+    ratio = next_ratio(position.ratio[at_depth - 1], target_at, draft_at)
+    first = links.first_child[child]
+    return eqx.tree_at(
+        lambda p: (
+            p.node,
+            p.testing,
+            p.path,
+            p.ratio,
+            p.updated,
+            p.bad_target,
+            p.bad_draft,
+        ),
+        position,
+        (
+            jnp.where(first > 0, first, child),
+            first == 0,
+            position.path.at[at_depth].set(child),
+            position.ratio.at[at_depth].set(ratio),
+            # Out of range (a leaf at max_depth) drops the update.
+            position.updated.at[at_depth].set(False, mode="drop"),
+            position.bad_target | not_a_probability(raw_target),
+            position.bad_draft | not_a_probability(raw_draft),
+        ),
+    )
+
+
+def _test(rows: TreeRows, links: _Links, position: _Position) -> _Position:
+    """Tests `position.node`, every child it had gone: it passes, ending the walk,
+    when its coin is below its $\\alpha$; the root always passes."""
+    node = position.node
+    index = jnp.maximum(node - 1, 0)
+    ratio = position.ratio[links.depth[node]]
+    passed = (node == 0) | (rows.accept_uniforms[rows.b, index] < ratio)
+    return eqx.tree_at(lambda p: (p.done, p.failed), position, (passed, ~passed))
+
+
+def _delete(
+    rows: TreeRows,
+    links: _Links,
+    siblings: AbstractSiblingRule,
+    position: _Position,
+    left: _Left,
+) -> tuple[_Position, _Left]:
+    """Deletes the node that failed its test, updates its parent through the sibling
+    rule, and enters the next sibling, if any, from the updated parent."""
+    node = position.node
+    parent_depth = links.depth[node] - 1
+    parent = position.path[parent_depth]
+    token = rows.token_of(node)
+    updated = position.updated[parent_depth]
+    own_target, own_draft, target, draft = _tested_against(
+        rows, left, parent, parent_depth, token, updated
+    )
+    ratio = position.ratio[parent_depth]
+    excess, mass, ratio, draft = _what_the_failure_leaves(
+        siblings, ratio, target, draft, token, own_target
+    )
+    position = _back_to_parent(position, parent, parent_depth, ratio)
+    position = _enter_next_sibling(
+        rows, links, position, node, parent, excess, mass, draft
+    )
+    # The node's rows as given are checked whole when it first loses a child: a bad
+    # value anywhere in them would reach the draw.
+    left = _record_left(
+        left, parent_depth, excess, mass, draft, own_target, own_draft, ~updated
+    )
+    return position, left
+
+
+def _tested_against(
+    rows: TreeRows,
+    left: _Left,
+    parent: Int[Array, ""],
+    parent_depth: Int[Array, ""],
+    token: Int[Array, ""],
+    updated: Bool[Array, ""],
+) -> tuple[
+    Float[Array, " vocab"],
+    Float[Array, " vocab"],
+    Float[Array, " vocab"],
+    Float[Array, " vocab"],
+]:
+    """The parent's rows as given, `(own_target, own_draft)`, and the normalised
+    distributions the failed child at `token` was tested against, `(target,
+    draft)`: what the parent's lost children left where it has lost one (`updated`),
+    else its own rows. Each is `(V,)`."""
+    own_target, own_draft = rows.own_rows(parent, token)
+    if rows.draft_probs is None:
+        draft = own_draft
+    else:
+        draft = jnp.where(updated, left.draft[parent_depth], own_draft)
+    target = jnp.where(
+        updated,
+        left.target[parent_depth] / left.target_mass[parent_depth],
+        own_target,
+    )
+    return own_target, own_draft, target, draft
+
+
+def _what_the_failure_leaves(
+    siblings: AbstractSiblingRule,
+    ratio: Float[Array, ""],
+    target: Float[Array, " vocab"],
+    draft: Float[Array, " vocab"],
+    token: Int[Array, ""],
+    own_target: Float[Array, " vocab"],
+) -> tuple[
+    Float[Array, " vocab"], Float[Array, ""], Float[Array, ""], Float[Array, " vocab"]
+]:
+    """The sibling rule applied to $(\\alpha(u) \\, p_u, q_u)$ at the failed child's
+    `token`: `(excess, mass, ratio, draft)`, the unnormalised target it leaves (the
+    parent's own target row where it leaves no mass) with its mass, the parent's
+    updated $\\alpha$, and the draft it leaves, normalised."""
+    excess, draft = siblings(ratio * target, draft, token)
+    # A difference of two normal numbers can be subnormal: it counts as zero.
+    excess = flush_subnormal(excess)
+    mass = ordered_row_sums(excess, None)
+    ratio = block_continuation(mass, ratio)
+    excess, mass = jax.lax.cond(
+        mass == 0,
+        lambda: (own_target, ordered_row_sums(own_target, None)),
+        lambda: (excess, mass),
+    )
+    draft_mass = ordered_row_sums(draft, None)
+    draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+    return excess, mass, ratio, draft
+
+
+def _back_to_parent(
+    position: _Position,
+    parent: Int[Array, ""],
+    parent_depth: Int[Array, ""],
+    ratio: Float[Array, ""],
+) -> _Position:
+    """Leaves the deleted node's subtree: the walk is at its parent, to be tested
+    next, with the parent's updated $\\alpha$ `ratio`, marked as having lost a
+    child."""
+    return eqx.tree_at(
+        lambda p: (p.node, p.testing, p.failed, p.ratio, p.updated),
+        position,
+        (
+            parent,
+            jnp.array(True),
+            jnp.array(False),
+            position.ratio.at[parent_depth].set(ratio),
+            position.updated.at[parent_depth].set(True),
+        ),
+    )
+
+
+def _enter_next_sibling(
+    rows: TreeRows,
+    links: _Links,
+    position: _Position,
+    node: Int[Array, ""],
+    parent: Int[Array, ""],
+    excess: Float[Array, " vocab"],
+    mass: Float[Array, ""],
+    draft: Float[Array, " vocab"],
+) -> _Position:
+    """Enters the deleted `node`'s next sibling, if it has one, from the updated
+    parent: its target the normalised `excess`, its draft `draft` (the one-hot as
+    given for target-only drafts). Without one, `position` stays at the parent."""
+    sibling = links.next_sibling[node]
+    sibling_token = rows.token_of(sibling)
+    raw_target, raw_draft = rows.given_at(parent, sibling_token)
+    draft_at = raw_draft if rows.draft_probs is None else draft[sibling_token]
+    entered = _enter(
+        links,
+        eqx.tree_at(lambda p: (p.node, p.testing), position, (sibling, False)),
+        excess[sibling_token] / mass,
+        draft_at,
+        raw_target,
+        raw_draft,
+    )
+    return jax.tree.map(
+        lambda there, here: jnp.where(sibling > 0, there, here), entered, position
+    )
+
+
+def _record_left(
+    left: _Left,
+    parent_depth: Int[Array, ""],
+    excess: Float[Array, " vocab"],
+    mass: Float[Array, ""],
+    draft: Float[Array, " vocab"],
+    own_target: Float[Array, " vocab"],
+    own_draft: Float[Array, " vocab"],
+    first: Bool[Array, ""],
+) -> _Left:
+    """Stores what the deletion left at the parent's depth, and the checks of what
+    it read: the parent's rows as given, checked whole when it first loses a child
+    (`first`), and whether the excess summed past the largest float."""
+    return _Left(
+        target=left.target.at[parent_depth].set(excess),
+        target_mass=left.target_mass.at[parent_depth].set(mass),
+        draft=left.draft.at[parent_depth].set(draft),
+        bad_target_row=left.bad_target_row
+        | (first & holds_bad_values(own_target, axis=None)),
+        bad_draft_row=left.bad_draft_row
+        | (first & holds_bad_values(own_draft, axis=None)),
+        overflow=left.overflow | jnp.isinf(mass),
+    )
+
+
+def _walk_end(
+    rows: TreeRows,
+    links: _Links,
+    start: TreeWalk,
+    final: _Position,
+    left: _Left,
+    max_depth: int,
+) -> TreeWalk:
+    """The walk's end as a `TreeWalk`: the node that passed, the path to it, what
+    its lost children left (or its own rows), and the bad values met."""
+    end = final.node
+    end_depth = links.depth[end]
+    on_path = jnp.arange(max_depth + 1) < end_depth
+    path_nodes = jnp.where(on_path, jnp.roll(final.path, -1), -1)
+    path_tokens = jnp.where(
+        on_path, rows.tree_tokens[rows.b, jnp.maximum(path_nodes - 1, 0)], -1
+    )
+    # A node at max_depth has no children in the walk: its rows are its own.
+    updated = final.updated.at[end_depth].get(mode="fill", fill_value=False)
+    kept = jnp.minimum(end_depth, max_depth - 1)
+    return eqx.tree_at(
+        lambda w: (
+            w.current,
+            w.depth,
+            w.updated,
+            w.target,
+            w.target_mass,
+            w.path_tokens,
+            w.path_nodes,
+            w.bad_target,
+            w.bad_draft,
+            w.bad_target_row,
+            w.bad_draft_row,
+            w.overflow,
+        ),
+        start,
+        (
+            end,
+            end_depth,
+            updated,
+            left.target[kept],
+            left.target_mass[kept],
+            path_tokens.astype(jnp.int32),
+            path_nodes,
+            final.bad_target,
+            final.bad_draft,
+            left.bad_target_row,
+            left.bad_draft_row,
+            left.overflow,
+        ),
+    )
+
+
+def _tree_links(parents: Int[Array, " nodes"], max_depth: int) -> _Links:
     """The depth of every node (`max_depth + 1` for a node outside the walk: unused,
     too deep, or under a bad parent), and each node's first child and next sibling
     within the walk, in index order (0 for none: the root is nobody's child or
@@ -370,4 +523,4 @@ def _tree_links(
     own_parent = jnp.concatenate([jnp.array([-1]), parents])[:, None]
     later = nodes[None, :] > every_node
     next_sibling = first_of(in_walk[None, :] & (parents[None, :] == own_parent) & later)
-    return depth, first_child, next_sibling
+    return _Links(depth, first_child, next_sibling)

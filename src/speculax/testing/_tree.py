@@ -3,7 +3,7 @@
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float
 
+from .._pieces._sampling import AbstractSampler
 from .._tree._abstract import AbstractTreeStep
 from .._tree._recursive import TreeStep
 from .._tree._traversal import TraversalStep
@@ -91,90 +92,21 @@ def tree_output_distribution(
     of its uniform or a token outside $[0, V)$; `TypeError` for a step of another
     kind.
     """
-    if type(step) not in (TreeStep, TraversalStep):
-        raise TypeError(
-            f"step must be a TreeStep or a TraversalStep; got {type(step).__name__}"
-        )
     parents = list(parents)
+    used = _checked_nodes(step, parents, vocab, drafting, tree_tokens)
     num_nodes = len(parents)
-    used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
-    for j in used:
-        parent = parents[j - 1]
-        if not 0 <= parent < j or (parent > 0 and parents[parent - 1] < 0):
-            raise ValueError(
-                f"node {j} has parent {parent}: not in [0, {j}), or not in use"
-            )
-    if (drafting == "deterministic") != (tree_tokens is not None):
-        raise ValueError('tree_tokens is needed exactly for drafting="deterministic"')
-    if drafting != "deterministic" and vocab ** len(used) > _MAX_TREES:
-        raise ValueError(f"{vocab}^{len(used)} draft trees is too many to enumerate")
-    children = {k: [j for j in used if parents[j - 1] == k] for k in [0, *used]}
-    max_depth = num_nodes if step.max_depth is None else step.max_depth
-    sibling_rule = _compiled_rule(step)
-    # Where the walk ends: the tokens before the draw, the row of weights the step
-    # draws from (each distinct row stored once, by its bytes) and the probability.
-    ends: list[tuple[tuple[int, ...], int, float]] = []
-    rows: dict[bytes, int] = {}
-    drawn_from: list[np.ndarray] = []
-
-    def emit(prefix, weights, weight):
-        if weight > 0:
-            row = rows.setdefault(weights.tobytes(), len(rows))
-            if row == len(drawn_from):
-                drawn_from.append(weights)
-            ends.append((prefix, row, weight))
-
-    def walk(node, depth, prefix, tokens, weight):
-        own = np.asarray(target(prefix), np.float64)
-        p, q = own, np.asarray(draft(prefix), np.float64)
-        weights = own
-        for child in children[node] if depth < max_depth else []:
-            token = tokens[child]
-            if target_only or drafting == "deterministic":
-                q = np.eye(vocab)[token]
-            passes = _pass_probability(float(p[token]), float(q[token]))
-            if passes > 0:
-                walk(child, depth + 1, (*prefix, token), tokens, weight * passes)
-            weight *= 1 - passes
-            if weight == 0:
-                return
-            left, q = sibling_rule(p, q, token)
-            if left.sum() == 0:
-                left = own
-            weights, p = left, left / left.sum()
-            q = q / q.sum() if q.sum() > 0 else q
-        emit(prefix, weights, weight)
-
-    def traverse(node, depth, prefix, tokens, weight, alphas):
-        """Traversal verification of the subtree under `node`, entered with the
-        probability `alphas[-1]` of keeping the path to it; returns the probability
-        that the walk goes on past it (its test and every test under it failed),
-        having updated the parent's entry of `alphas`."""
-        own = np.asarray(target(prefix), np.float64)
-        p, q = own, np.asarray(draft(prefix), np.float64)
-        weights = own
-        for child in children[node] if depth < max_depth else []:
-            token = tokens[child]
-            if target_only or drafting == "deterministic":
-                q = np.eye(vocab)[token]
-            alphas.append(_next_ratio(alphas[-1], float(p[token]), float(q[token])))
-            path = (*prefix, token)
-            weight = traverse(child, depth + 1, path, tokens, weight, alphas)
-            alphas.pop()
-            if weight == 0:
-                return 0.0
-            left, q = sibling_rule(alphas[-1] * p, q, token)
-            mass = float(left.sum())
-            total = mass + (1 - alphas[-1])
-            alphas[-1] = mass / total if total > 0 else 1.0
-            if mass == 0:
-                left = own
-            weights, p = left, left / left.sum()
-            q = q / q.sum() if q.sum() > 0 else q
-        kept = min(max(alphas[-1], 0.0), 1.0) if node > 0 else 1.0
-        emit(prefix, weights, weight * kept)
-        return weight * (1 - kept)
-
+    enumeration = _Enumeration(
+        children={k: [j for j in used if parents[j - 1] == k] for k in [0, *used]},
+        max_depth=num_nodes if step.max_depth is None else step.max_depth,
+        target=target,
+        draft=draft,
+        vocab=vocab,
+        one_hot_draft=target_only or drafting == "deterministic",
+        sibling_rule=_compiled_rule(step),
+        ends=[],
+        rows={},
+        drawn_from=[],
+    )
     if drafting == "deterministic":
         assert tree_tokens is not None
         assignments = [({j: int(tree_tokens[j - 1]) for j in used}, 1.0)]
@@ -182,23 +114,10 @@ def tree_output_distribution(
         assignments = _draft_trees(used, parents, draft, vocab, drafting)
     for tokens, weight in assignments:
         if isinstance(step, TraversalStep):
-            traverse(0, 0, (), tokens, weight, [1.0])
+            enumeration.traverse(0, 0, (), tokens, weight, [1.0])
         else:
-            walk(0, 0, (), tokens, weight)
-
-    # The law of the drawn token, from the sampler itself, for every row at once.
-    cells = sampler_cells(step.sampler, np.stack(drawn_from))
-    if not np.all(cells.valid):
-        raise refuse_sampler(
-            "step.sampler", step.sampler, cells, int(np.argmin(cells.valid))
-        )
-    drawn = cells.probs()
-    distribution: dict[tuple[int, ...], float] = {}
-    for prefix, row, weight in ends:
-        for v in np.flatnonzero(drawn[row]):
-            key = (*prefix, int(v))
-            distribution[key] = distribution.get(key, 0.0) + weight * drawn[row, v]
-    return distribution
+            enumeration.walk(0, 0, (), tokens, weight)
+    return enumeration.distribution(step.sampler)
 
 
 def tree_lossless_error(
@@ -265,6 +184,154 @@ def tree_lossless_error(
         for a in range(vocab):
             error = max(error, abs(starts.get((*prefix, a), 0.0) - expected[a]))
     return float(error)
+
+
+def _checked_nodes(
+    step: AbstractTreeStep,
+    parents: list[int],
+    vocab: int,
+    drafting: Drafting,
+    tree_tokens: Sequence[int] | None,
+) -> list[int]:
+    """The draft nodes in use, after the checks of
+    [`speculax.testing.tree_output_distribution`][]'s arguments: the step's kind,
+    the parents, `tree_tokens` and the number of draft trees."""
+    if type(step) not in (TreeStep, TraversalStep):
+        raise TypeError(
+            f"step must be a TreeStep or a TraversalStep; got {type(step).__name__}"
+        )
+    num_nodes = len(parents)
+    used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
+    for j in used:
+        parent = parents[j - 1]
+        if not 0 <= parent < j or (parent > 0 and parents[parent - 1] < 0):
+            raise ValueError(
+                f"node {j} has parent {parent}: not in [0, {j}), or not in use"
+            )
+    if (drafting == "deterministic") != (tree_tokens is not None):
+        raise ValueError('tree_tokens is needed exactly for drafting="deterministic"')
+    if drafting != "deterministic" and vocab ** len(used) > _MAX_TREES:
+        raise ValueError(f"{vocab}^{len(used)} draft trees is too many to enumerate")
+    return used
+
+
+@final
+class _Enumeration(eqx.Module):
+    """A tree step's walks, in float64, over the draft trees of one shape, and where
+    they ended: the tokens before the draw, the row of weights the step draws from
+    (each distinct row stored once, by its bytes) and the probability."""
+
+    children: dict[int, list[int]]
+    max_depth: int
+    target: Model
+    draft: Model
+    vocab: int
+    # Whether each child's q is its own one-hot (target-only or given tokens).
+    one_hot_draft: bool
+    sibling_rule: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+    ends: list[tuple[tuple[int, ...], int, float]]
+    rows: dict[bytes, int]
+    drawn_from: list[np.ndarray]
+
+    def emit(
+        self,
+        prefix: tuple[int, ...],
+        weights: Float[np.ndarray, " vocab"],
+        weight: float,
+    ):
+        """Records a walk that ends after the tokens `prefix` with probability
+        `weight`, the final token drawn from `weights`."""
+        if weight > 0:
+            row = self.rows.setdefault(weights.tobytes(), len(self.rows))
+            if row == len(self.drawn_from):
+                self.drawn_from.append(weights)
+            self.ends.append((prefix, row, weight))
+
+    def walk(
+        self,
+        node: int,
+        depth: int,
+        prefix: tuple[int, ...],
+        tokens: dict[int, int],
+        weight: float,
+    ):
+        """Recursive rejection sampling at `node`, reached by the tokens `prefix`
+        with probability `weight`: each child tried in turn, passing with
+        $\\min(1, p(c)/q(c))$, a rejection leaving what the sibling rule returns."""
+        own = np.asarray(self.target(prefix), np.float64)
+        p, q = own, np.asarray(self.draft(prefix), np.float64)
+        weights = own
+        for child in self.children[node] if depth < self.max_depth else []:
+            token = tokens[child]
+            if self.one_hot_draft:
+                q = np.eye(self.vocab)[token]
+            passes = _pass_probability(float(p[token]), float(q[token]))
+            if passes > 0:
+                self.walk(child, depth + 1, (*prefix, token), tokens, weight * passes)
+            weight *= 1 - passes
+            if weight == 0:
+                return
+            left, q = self.sibling_rule(p, q, token)
+            if left.sum() == 0:
+                left = own
+            weights, p = left, left / left.sum()
+            q = q / q.sum() if q.sum() > 0 else q
+        self.emit(prefix, weights, weight)
+
+    def traverse(
+        self,
+        node: int,
+        depth: int,
+        prefix: tuple[int, ...],
+        tokens: dict[int, int],
+        weight: float,
+        alphas: list[float],
+    ) -> float:
+        """Traversal verification of the subtree under `node`, entered with the
+        probability `alphas[-1]` of keeping the path to it; returns the probability
+        that the walk goes on past it (its test and every test under it failed),
+        having updated the parent's entry of `alphas`."""
+        own = np.asarray(self.target(prefix), np.float64)
+        p, q = own, np.asarray(self.draft(prefix), np.float64)
+        weights = own
+        for child in self.children[node] if depth < self.max_depth else []:
+            token = tokens[child]
+            if self.one_hot_draft:
+                q = np.eye(self.vocab)[token]
+            alphas.append(_next_ratio(alphas[-1], float(p[token]), float(q[token])))
+            path = (*prefix, token)
+            weight = self.traverse(child, depth + 1, path, tokens, weight, alphas)
+            alphas.pop()
+            if weight == 0:
+                return 0.0
+            left, q = self.sibling_rule(alphas[-1] * p, q, token)
+            mass = float(left.sum())
+            total = mass + (1 - alphas[-1])
+            alphas[-1] = mass / total if total > 0 else 1.0
+            if mass == 0:
+                left = own
+            weights, p = left, left / left.sum()
+            q = q / q.sum() if q.sum() > 0 else q
+        kept = min(max(alphas[-1], 0.0), 1.0) if node > 0 else 1.0
+        self.emit(prefix, weights, weight * kept)
+        return weight * (1 - kept)
+
+    def distribution(self, sampler: AbstractSampler) -> dict[tuple[int, ...], float]:
+        """The law of the emitted tokens: each recorded end, then the token
+        `sampler` draws from its row, whose law is found from the sampler itself,
+        for every row at once."""
+        cells = sampler_cells(sampler, np.stack(self.drawn_from))
+        if not np.all(cells.valid):
+            raise refuse_sampler(
+                "step.sampler", sampler, cells, int(np.argmin(cells.valid))
+            )
+        drawn = cells.probs()
+        distribution: dict[tuple[int, ...], float] = {}
+        for prefix, row, weight in self.ends:
+            for v in np.flatnonzero(drawn[row]):
+                key = (*prefix, int(v))
+                distribution[key] = distribution.get(key, 0.0) + weight * drawn[row, v]
+        return distribution
 
 
 def _next_ratio(ratio: float, target_at: float, draft_at: float) -> float:
