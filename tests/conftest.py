@@ -29,7 +29,7 @@ def release_compiled_programs():
 @pytest.fixture(params=["per_row", "gather"])
 def row_access(request, monkeypatch):
     """Both row-access strategies of the summary (CPU loop, GPU gather), on CPU."""
-    from speculax import _stopping_rows
+    from speculax._pieces import _stopping_rows
 
     monkeypatch.setattr(
         _stopping_rows, "_per_row_default", lambda: request.param == "per_row"

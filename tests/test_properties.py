@@ -188,7 +188,7 @@ def test_fuzz_the_edges_against_the_float64_judge(
     """A result must satisfy the judge, and an error must be one the judge
     foresees: the weights at a possible stopping position overflow float32 or have
     no mass (values below the smallest normal count as zero)."""
-    from speculax import _stopping_rows
+    from speculax._pieces import _stopping_rows
 
     if dtype == "float16" and magnitude == "huge":
         dtype = "float32"  # float16 cannot hold the values; inf is a bad input
