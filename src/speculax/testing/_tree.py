@@ -1,5 +1,6 @@
 """Exact output distributions of the tree step, by enumeration of every draft tree."""
 
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -216,10 +217,15 @@ def _checked_nodes(
 
 
 @final
-class _Enumeration(eqx.Module):
+@dataclasses.dataclass
+class _Enumeration:
     """A tree step's walks, in float64, over the draft trees of one shape, and where
     they ended: the tokens before the draw, the row of weights the step draws from
-    (each distinct row stored once, by its bytes) and the probability."""
+    (each distinct row stored once, by its bytes) and the probability.
+
+    A plain dataclass, not an `eqx.Module`: it holds mutable state, and the walks
+    recurse through its methods thousands of times, where a module would wrap each
+    bound method in a new module that walks the growing state's leaves."""
 
     children: dict[int, list[int]]
     max_depth: int
