@@ -2,6 +2,8 @@
 
 from typing import ClassVar
 
+import equinox as eqx
+
 import speculax
 
 
@@ -28,3 +30,18 @@ class DelegatingResidual(speculax.AbstractResidual):
             target_probs,
             num_draft_tokens=num_draft_tokens,
         )
+
+
+class BlockSumsOnly(speculax.AbstractBlockSumSampler):
+    """A sampler of its own that draws only from block sums: as `InverseCDF` with
+    blocks of 8, and raising where a step hands it the residual's weights."""
+
+    reads_uniforms: ClassVar[bool] = True
+    block_size: int = eqx.field(static=True, default=8)
+    axis_name: None = eqx.field(static=True, default=None, init=False)
+
+    def __call__(self, weights, sample_uniforms):
+        raise AssertionError("drawn from the weights")
+
+    def draw_from_block_sums(self, *args):
+        return speculax.InverseCDF(self.block_size).draw_from_block_sums(*args)

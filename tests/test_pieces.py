@@ -314,9 +314,9 @@ def test_new_pieces_join_the_fused_draw():
     residuals and the tree steps, never from the weights; a residual the step does
     not know as fused is drawn from its weights."""
     import speculax
-    from doubles import DelegatingResidual
+    from doubles import BlockSumsOnly, DelegatingResidual
     from inputs import random_inputs
-    from speculax import AbstractBlockSumSampler, AbstractFusedResidual
+    from speculax import AbstractFusedResidual
 
     weights_calls = []
 
@@ -331,47 +331,53 @@ def test_new_pieces_join_the_fused_draw():
         def fused_draw(self, sampler, *args, **kwargs):
             return speculax.Residual().fused_draw(sampler, *args, **kwargs)
 
-    class BlockSumsOnly(AbstractBlockSumSampler):
-        reads_uniforms: ClassVar[bool] = True
-        block_size: int = eqx.field(static=True, default=8)
-        axis_name: None = eqx.field(static=True, default=None, init=False)
-
-        def __call__(self, weights, sample_uniforms):
-            raise AssertionError("drawn from the weights")
-
-        def draw_from_block_sums(self, *args):
-            return speculax.InverseCDF(self.block_size).draw_from_block_sums(*args)
-
     def same(first, second):
         for key in ("num_accepted", "tokens"):
             np.testing.assert_array_equal(first[key], second[key])
 
+    def run(step, inputs):
+        # Compiled: eagerly, every loop of the tree steps compiles at each call.
+        return eqx.filter_jit(step)(**inputs)
+
     inputs = random_inputs(3, 6, 3, 20)
     ours = speculax.SpeculativeStep(residual=ResidualOfMyOwn())
-    same(ours(**inputs), speculax.SpeculativeStep()(**inputs))
+    same(run(ours, inputs), run(speculax.SpeculativeStep(), inputs))
     assert not weights_calls
     with_argmax = eqx.tree_at(lambda step: step.sampler, ours, speculax.Argmax())
     same(
-        with_argmax(**inputs),
-        speculax.SpeculativeStep(sampler=speculax.Argmax())(**inputs),
+        run(with_argmax, inputs),
+        run(speculax.SpeculativeStep(sampler=speculax.Argmax()), inputs),
     )
     assert len(weights_calls) == 1
 
     default_block_size = speculax.SpeculativeStep(sampler=speculax.InverseCDF(8))
     same(
-        speculax.SpeculativeStep(sampler=BlockSumsOnly())(**inputs),
-        default_block_size(**inputs),
+        run(speculax.SpeculativeStep(sampler=BlockSumsOnly()), inputs),
+        run(default_block_size, inputs),
     )
     block = speculax.block_step()
     same(
-        eqx.tree_at(lambda step: step.sampler, block, BlockSumsOnly())(**inputs),
-        eqx.tree_at(lambda step: step.sampler, block, speculax.InverseCDF(8))(**inputs),
+        run(eqx.tree_at(lambda step: step.sampler, block, BlockSumsOnly()), inputs),
+        run(
+            eqx.tree_at(lambda step: step.sampler, block, speculax.InverseCDF(8)),
+            inputs,
+        ),
     )
     with pytest.raises(AssertionError, match="drawn from the weights"):
         speculax.SpeculativeStep(
             residual=DelegatingResidual(), sampler=BlockSumsOnly()
         )(**inputs)
 
+
+@pytest.mark.slow
+def test_tree_steps_draw_from_a_new_block_sum_sampler():
+    """The tree steps draw their final token from the block sums of any sampler
+    that subclasses `AbstractBlockSumSampler`, never from its weights."""
+    import speculax
+    from doubles import BlockSumsOnly
+    from inputs import random_inputs
+
+    inputs = random_inputs(3, 6, 3, 20)
     # The same drafts as a tree, each node the only child of the one before.
     batch, num_draft = inputs["draft_tokens"].shape
     tree = {
@@ -385,6 +391,6 @@ def test_new_pieces_join_the_fused_draw():
         "sample_uniforms": inputs["sample_uniforms"],
     }
     for tree_step in (speculax.TreeStep, speculax.TraversalStep):
-        out = tree_step(sampler=BlockSumsOnly())(**tree)
-        expected = tree_step(sampler=speculax.InverseCDF(8))(**tree)
+        out = eqx.filter_jit(tree_step(sampler=BlockSumsOnly()))(**tree)
+        expected = eqx.filter_jit(tree_step(sampler=speculax.InverseCDF(8)))(**tree)
         np.testing.assert_array_equal(out["tokens"], expected["tokens"])
