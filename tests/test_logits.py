@@ -281,7 +281,9 @@ def test_edges_of_the_shapes(num_draft):
 # --- probs_from_logits with per-row parameters --------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
+)
 def test_per_row_parameters_are_each_row_alone(dtype):
     batch = _mixed_batch(5, dtype, "sampled", False)
     parameters = {k: batch[k] for k in ("temperature", "top_k", "top_p")}
