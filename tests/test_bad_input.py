@@ -569,7 +569,9 @@ def test_structure_errors_need_no_runtime_type_checker():
         speculax.speculative_step(**_inputs(case))
 
 
-@pytest.mark.parametrize("mode", ["one batch", "vmap"])
+@pytest.mark.parametrize(
+    "mode", ["one batch", pytest.param("vmap", marks=pytest.mark.slow)]
+)
 def test_the_first_failing_check_is_reported(mode):
     """Every check runs, and the one reported is the first in the order of the
     specification's table (a token before a uniform), whichever row or vmapped

@@ -153,6 +153,7 @@ def test_the_logits_baseline_agrees_with_the_logits_step(variant):
     assert np.asarray(got["num_accepted"]).max() > 0
 
 
+@pytest.mark.slow
 def test_the_tree_baseline_agrees_with_the_tree_step():
     size = Size(12, 40, 600, variant="tree")
     inputs = make_tree_inputs(size, seed=5)
@@ -176,7 +177,9 @@ def test_the_tree_step_copies_no_tree():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU memory layout")
-@pytest.mark.parametrize("check_values", [True, False])
+@pytest.mark.parametrize(
+    "check_values", [True, pytest.param(False, marks=pytest.mark.slow)]
+)
 def test_default_step_materialises_no_batch_by_vocab_array(check_values):
     # The fast path of the default Residual + InverseCDF pair: the weights are never
     # materialised, so the temporaries are far below one (B, V) float32 array.
@@ -223,6 +226,7 @@ def test_memory_bound_at_the_benchmark_size(dtype):
     assert temp <= 2 * batch * vocab * 4 + 2**20
 
 
+@pytest.mark.slow
 def test_custom_sampler_gets_the_residual_weights():
     # The cooperation of the default pair must not change what a custom sampler sees.
     class Recording(speculax.AbstractSampler):

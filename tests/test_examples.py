@@ -106,7 +106,14 @@ def test_speculative_step_on_numpy_float32(inputs, expected):
     _check_output(speculax.speculative_step(**arrays), expected)
 
 
-@pytest.mark.parametrize("inputs, expected", WORKED_EXAMPLES)
+# The first worked example in the default tier; `speculax demo` runs every one.
+@pytest.mark.parametrize(
+    "inputs, expected",
+    [
+        WORKED_EXAMPLES[0],
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in WORKED_EXAMPLES[1:]),
+    ],
+)
 def test_module_eager_and_under_jit(inputs, expected):
     import speculax
 

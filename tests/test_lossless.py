@@ -308,7 +308,11 @@ def chi_square_per_position(
 
 @pytest.mark.parametrize(
     "step",
-    [speculax.SpeculativeStep(), speculax.block_step()],
+    [
+        speculax.SpeculativeStep(),
+        # Block verification's default test is its exact enumeration (test_block.py).
+        pytest.param(speculax.block_step(), marks=pytest.mark.slow),
+    ],
     ids=["token by token", "block"],
 )
 def test_statistical_output_distribution_is_target(step):

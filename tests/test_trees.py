@@ -252,7 +252,14 @@ def _chain_as_tree(inputs):
     }
 
 
-@pytest.mark.parametrize("style", ["peaked", "sparse", "onehot"])
+@pytest.mark.parametrize(
+    "style",
+    [
+        "peaked",
+        pytest.param("sparse", marks=pytest.mark.slow),
+        pytest.param("onehot", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["q", "no q"])
 def test_a_chain_is_verified_as_the_chain_step_does(style, deterministic):
     """Bit for bit, with some uniforms exactly on their ratio p/q, where `<` and
@@ -421,7 +428,11 @@ def _overflowing_root(inputs):
         (_overflowing_root, "target_probs must have rows whose total"),
     ],
 )
-@pytest.mark.parametrize("kind", STEPS)
+# The traversal shares the checks of every tree step (`AbstractTreeStep`): its run
+# of the table is the extended tier.
+@pytest.mark.parametrize(
+    "kind", ["recursive", pytest.param("traversal", marks=pytest.mark.slow)]
+)
 def test_bad_values_raise_or_come_back_per_row(kind, change, message):
     import speculax
 
