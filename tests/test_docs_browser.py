@@ -87,6 +87,23 @@ const broken = codes
   .map((code) => code.textContent);
 return [wide, broken, boxes.length, codes.length];
 """
+# The theme's script wraps each table in a scroll box after the page loads: the layout
+# is read once every table is wrapped, or the check would race it and pass vacuously.
+_TABLES_WRAPPED = """
+const tables = document.querySelectorAll(".md-content table").length;
+const boxes = document.querySelectorAll(".md-content .md-typeset__scrollwrap").length;
+return boxes >= tables;
+"""
+
+
+def _layout(browser) -> list:
+    """The page's layout as `_LAYOUT` reads it: the tables wider than their box, the
+    identifiers in tables broken over lines, and the counts of tables and of
+    identifiers in tables."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 20).until(lambda b: b.execute_script(_TABLES_WRAPPED))
+    return browser.execute_script(_LAYOUT)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +163,7 @@ def test_page_renders_in_a_browser(page, site, browser):
     assert unrendered == 0, f"{unrendered} of {formulas} formulas not rendered"
     assert containers >= formulas
     assert browser.execute_script(_BROKEN_IMAGES) == []
-    wide, broken, _, _ = browser.execute_script(_LAYOUT)
+    wide, broken, _, _ = _layout(browser)
     assert wide == [], f"tables wider than the page at 1280 px: {wide}"
     assert broken == [], f"identifiers broken across lines: {broken}"
     errors = [
@@ -172,10 +189,10 @@ def test_the_layout_check_sees_tables(site, browser):
     page's identifiers in tables (a typo in its selectors would pass vacuously)."""
     _, url = site
     browser.get(f"{url}/benchmarks/")
-    _, _, tables, _ = browser.execute_script(_LAYOUT)
+    _, _, tables, _ = _layout(browser)
     assert tables >= 3
     browser.get(f"{url}/trees/")
-    _, _, _, codes = browser.execute_script(_LAYOUT)
+    _, _, _, codes = _layout(browser)
     assert codes >= 3
 
 

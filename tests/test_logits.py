@@ -167,10 +167,9 @@ def test_the_batch_drafts_and_verifies_something():
     """The agreement above is not vacuous: drafts pass, and every kind of row keeps
     some."""
     accepted = np.zeros(len(KINDS))
-    for seed in range(3):
-        out = _run(_logits_step, _mixed_batch(seed, "float32", "sampled", False))
-        for b, n in enumerate(np.asarray(out["num_accepted"])):
-            accepted[b % len(KINDS)] += n
+    out = _run(_logits_step, _mixed_batch(0, "float32", "sampled", False))
+    for b, n in enumerate(np.asarray(out["num_accepted"])):
+        accepted[b % len(KINDS)] += n
     assert (accepted > 0).all(), accepted
 
 
