@@ -62,16 +62,7 @@ def bench_module(package: str):
 def time_side_by_side(size, before, after, repeats: int) -> tuple[float, float]:
     """The median times, in ms, of the revision's step and the working tree's on one
     size's inputs."""
-    tree = size.variant in after.TREE_VARIANTS
-    logits = size.variant in after.LOGITS_VARIANTS
-    make = (
-        after.make_tree_inputs
-        if tree
-        else after.make_logits_inputs
-        if logits
-        else after.make_inputs
-    )
-    inputs = make(size, 0)
+    inputs = after.make_size_inputs(size, 0)
     compiled = []
     for module in (before, after):
         function, arguments, *_ = module._functions(size, inputs)

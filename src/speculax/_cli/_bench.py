@@ -497,6 +497,16 @@ def _root_to_leaf(parents: list[int]) -> list[int]:
     return path[::-1]
 
 
+def make_size_inputs(size: Size, seed: int = 0) -> tuple[Array, ...]:
+    """The inputs of `size`'s variant: `make_tree_inputs`, `make_logits_inputs` or
+    `make_inputs`."""
+    if size.variant in TREE_VARIANTS:
+        return make_tree_inputs(size, seed)
+    if size.variant in LOGITS_VARIANTS:
+        return make_logits_inputs(size, seed)
+    return make_inputs(size, seed)
+
+
 def _timed_compile(function: Callable, *args: Any) -> tuple[Any, float, int]:
     start = time.perf_counter()
     compiled = jax.jit(function).lower(*args).compile()
@@ -519,8 +529,7 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     """
     tree = size.variant in TREE_VARIANTS
     logits = size.variant in LOGITS_VARIANTS
-    make = make_tree_inputs if tree else make_logits_inputs if logits else make_inputs
-    inputs = make(size, seed)
+    inputs = make_size_inputs(size, seed)
     step_fn, step_args, baseline_fn, baseline_args, rows = _functions(size, inputs)
     # Copies, so that the floor reads contiguous arrays.
     rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))
@@ -668,6 +677,7 @@ __all__ = [
     "format_table",
     "make_inputs",
     "make_logits_inputs",
+    "make_size_inputs",
     "run_bench",
     "verify_from_logits",
     "verify_through_probs",
