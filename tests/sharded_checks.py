@@ -9,7 +9,10 @@ import re
 import sys
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Beside the flags it was given (tests/conftest.py's).
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+).strip()
 
 import jax
 import jax.numpy as jnp

@@ -97,7 +97,12 @@ def test_bench_rejects_a_bad_size(bad, capsys):
 
 
 @pytest.mark.parametrize(
-    "size", [Size(8, 4, 1000), Size(5, 3, 3000, "bfloat16"), Size(4, 1, 513)]
+    "size",
+    [
+        Size(8, 4, 1000),
+        Size(5, 3, 3000, "bfloat16"),
+        pytest.param(Size(4, 1, 513), marks=pytest.mark.slow),
+    ],
 )
 def test_baseline_and_step_agree(size):
     inputs = make_inputs(size, seed=3)

@@ -42,7 +42,9 @@ def adversarial_row(seed: int, vocab: int, num_draft: int):
     return q, p
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+# Each shape and kind of zeros once in the default tier; a second seed of each in the
+# extended tier.
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("zeros", ["none", "draft", "target", "both", "adversarial"])
 @pytest.mark.parametrize("num_draft", [0, 1, 2, 3])
 @pytest.mark.parametrize("vocab", [2, 3, 5])

@@ -67,19 +67,20 @@ def _rule(drafting: str):
 
 
 @pytest.mark.parametrize(
-    "drafting, shape, draft",
+    "kind, drafting, shape, draft",
     [
-        # Adversarial drafts are the extended tier, but for independent drafting on
-        # the 2x2 tree.
-        pytest.param(drafting, shape, draft, marks=pytest.mark.slow)
-        if draft == "adversarial" and (shape, drafting) != ("2x2", "independent")
-        else (drafting, shape, draft)
+        # Adversarial drafts are the extended tier, but for the recursive step with
+        # independent drafting on the 2x2 tree.
+        pytest.param(kind, drafting, shape, draft, marks=pytest.mark.slow)
+        if draft == "adversarial"
+        and (kind, shape, drafting) != ("recursive", "2x2", "independent")
+        else (kind, drafting, shape, draft)
+        for kind in STEPS
         for drafting in ("independent", "without replacement")
         for shape in SHAPES
         for draft in DRAFTS
     ],
 )
-@pytest.mark.parametrize("kind", STEPS)
 def test_lossless_by_exact_enumeration(kind, drafting, shape, draft):
     import speculax.testing
 
