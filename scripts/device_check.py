@@ -3,6 +3,7 @@ and the batch-invariance and exactness tests of every step, run on that device, 
 a JSON and a Markdown report. About five minutes on a GPU; on CPU as long as it takes.
 
     scripts/device_check.sh [OUTDIR] [--quick] [--repeats N] [--workers N]
+                            [--sizes SIZE ...] [--tests NODEID ...]
 
 Three stages, each in its own process so that this one never holds the device (JAX
 takes most of a GPU's memory in the first process that touches it):
@@ -17,9 +18,9 @@ takes most of a GPU's memory in the first process that touches it):
 Then `tests.md` (passed, failed, errors and skipped per file), `device_check.json`
 (everything) and `device_check.md` (the three together), printed at the end. The exit
 status is 0 when every stage finished and no test failed or errored, 1 otherwise.
-Off CPU each stage has a time limit (`--bench-timeout`, `--tests-timeout`): at its
-limit the stage gets SIGINT (pytest then writes the tests it ran) and, 20 seconds
-later, SIGKILL.
+Off CPU each stage has a time limit (`--bench-timeout`, 120 s; `--tests-timeout`,
+what is left of 270 s): at its limit the stage gets SIGINT (pytest then writes the
+tests it ran) and, 20 seconds later, SIGKILL.
 
 Only the standard library here; the bench stage (`--stage bench`) imports speculax.
 """
@@ -102,11 +103,12 @@ QUICK_SELECTION: dict[str, tuple[str, ...]] = {
     "tests/test_batch_invariance.py": ("test_row_order_does_not_matter",),
 }
 QUICK_SIZES = ("2x2x300",)
-# Off CPU, the limits that keep the whole under five minutes.
+# Off CPU, the limits that keep the whole under five minutes: the tests get what the
+# first two stages leave of DEVICE_TOTAL_S (and GRACE_S more to write their report).
 DEVICE_BENCH_TIMEOUT_S = 120
-DEVICE_TESTS_TIMEOUT_S = 150
+DEVICE_TOTAL_S = 270
 PLATFORM_TIMEOUT_S = 60
-DEVICE_WORKERS = 4
+DEVICE_WORKERS = 8
 # After SIGINT, how long a stage may take to write what it has.
 GRACE_S = 20
 OUTCOMES = ("passed", "failed", "errors", "skipped")
@@ -215,8 +217,12 @@ def junit_summary(path: Path) -> dict[str, dict[str, float]]:
     `tests.test_block`)."""
     files: dict[str, dict[str, float]] = {}
     for case in ElementTree.parse(path).iter("testcase"):
-        # A file that failed to collect is a case named after it, with no class.
-        module = (case.get("classname") or case.get("name", "")).split(".")
+        # A file that failed to collect is a case named after it, with no class; the
+        # test running when pytest was interrupted, a case with neither.
+        dotted = case.get("classname") or case.get("name")
+        if not dotted:
+            continue
+        module = dotted.split(".")
         name = "/".join(module[:2]) + ".py" if len(module) >= 2 else "(collection)"
         counts = files.setdefault(name, {**dict.fromkeys(OUTCOMES, 0), "seconds": 0.0})
         tags = {child.tag for child in case}
@@ -307,6 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sizes", nargs="+", help="bench sizes instead of the table")
     parser.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="NODEID",
+        help="pytest node ids instead of SELECTION, e.g. tests/test_block.py",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         help=f"pytest-xdist workers (default: {DEVICE_WORKERS} off CPU, 0 on CPU)",
@@ -319,7 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tests-timeout",
         type=float,
-        help=f"seconds (default: {DEVICE_TESTS_TIMEOUT_S} off CPU, none on CPU)",
+        help=f"seconds (default: what is left of {DEVICE_TOTAL_S} s off CPU, none "
+        "on CPU)",
     )
     parser.add_argument(
         "--stage", choices=["platform", "bench"], help=argparse.SUPPRESS
@@ -353,9 +366,19 @@ def _run_bench(args: argparse.Namespace, outdir: Path, on_cpu: bool) -> dict[str
     return run_stage(command, timeout)
 
 
-def _run_tests(args: argparse.Namespace, outdir: Path, on_cpu: bool) -> dict[str, Any]:
-    """The test stage, pytest in its own process, its output in `pytest.log`; how
-    it went."""
+def _test_ids(args: argparse.Namespace) -> list[str]:
+    """The node ids the test stage runs: `--tests`, else the quick or the full
+    selection."""
+    if args.tests:
+        return list(args.tests)
+    return node_ids(QUICK_SELECTION if args.quick else SELECTION)
+
+
+def _run_tests(
+    args: argparse.Namespace, outdir: Path, on_cpu: bool, elapsed: float
+) -> dict[str, Any]:
+    """The test stage, pytest in its own process, its output in `pytest.log`, given
+    the seconds the check has run so far; how it went."""
     workers = (
         args.workers if args.workers is not None else (0 if on_cpu else DEVICE_WORKERS)
     )
@@ -368,10 +391,11 @@ def _run_tests(args: argparse.Namespace, outdir: Path, on_cpu: bool) -> dict[str
         command += ["--jaxtyping-packages=speculax,beartype.beartype"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(workers), "--dist", "worksteal"]
-    command += node_ids(QUICK_SELECTION if args.quick else SELECTION)
+    command += _test_ids(args)
     # Several processes share the device: none may take most of its memory.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    timeout = args.tests_timeout or (None if on_cpu else DEVICE_TESTS_TIMEOUT_S)
+    left = max(DEVICE_TOTAL_S - elapsed, 30)
+    timeout = args.tests_timeout or (None if on_cpu else left)
     with (outdir / "pytest.log").open("w") as log:
         return run_stage(command, timeout, env=env, stdout=log)
 
@@ -385,7 +409,7 @@ def check(args: argparse.Namespace) -> int:
     print(f"device check: {json.dumps(platform)}", flush=True)
     on_cpu = platform.get("backend", "cpu") == "cpu"
     bench_stage = _run_bench(args, outdir, on_cpu)
-    tests_stage = _run_tests(args, outdir, on_cpu)
+    tests_stage = _run_tests(args, outdir, on_cpu, time.perf_counter() - start)
     bench_path, xml_path = outdir / "bench.json", outdir / "tests.xml"
     bench = json.loads(bench_path.read_text()) if bench_path.exists() else {}
     files = junit_summary(xml_path) if xml_path.exists() else {}
@@ -401,7 +425,7 @@ def check(args: argparse.Namespace) -> int:
         "tests": {
             "files": files,
             "totals": totals,
-            "node_ids": node_ids(QUICK_SELECTION if args.quick else SELECTION),
+            "node_ids": _test_ids(args),
         },
         "passed": all(stage["returncode"] == 0 for stage in stages.values())
         and totals["passed"] > 0
