@@ -1,6 +1,7 @@
 """The device check: on a machine with a GPU or TPU, the bench table of every variant
 and the batch-invariance and exactness tests of every step, run on that device, with
-a JSON and a Markdown report. About five minutes on a GPU; on CPU as long as it takes.
+a JSON and a Markdown report: within five minutes off CPU (every stage has a time
+limit), as long as it takes on CPU.
 
     scripts/device_check.sh [OUTDIR] [--quick] [--repeats N] [--workers N]
                             [--sizes SIZE ...] [--tests NODEID ...]
@@ -295,8 +296,9 @@ def report_markdown(report: Mapping[str, Any], bench_md: str, tests_md: str) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line's parser; `--stage` runs one stage in a child process."""
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -407,7 +409,8 @@ def check(args: argparse.Namespace) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     platform, platform_stage = _run_platform(outdir)
     print(f"device check: {json.dumps(platform)}", flush=True)
-    on_cpu = platform.get("backend", "cpu") == "cpu"
+    # A probe that failed leaves the backend unknown: the limits then apply.
+    on_cpu = platform.get("backend") == "cpu"
     bench_stage = _run_bench(args, outdir, on_cpu)
     tests_stage = _run_tests(args, outdir, on_cpu, time.perf_counter() - start)
     bench_path, xml_path = outdir / "bench.json", outdir / "tests.xml"
