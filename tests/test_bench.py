@@ -2,7 +2,9 @@
 timing assertions.
 """
 
+import ast
 import json
+import pathlib
 from typing import ClassVar
 
 import jax
@@ -25,6 +27,9 @@ from speculax._cli._bench import (
     verify_from_logits,
     verify_through_probs,
 )
+
+
+DEVICE_CHECK = pathlib.Path(__file__).parents[1] / "scripts" / "device_check.py"
 
 
 @pytest.mark.slow
@@ -249,3 +254,117 @@ def test_custom_sampler_gets_the_residual_weights():
     expected = jax.jit(speculax.SpeculativeStep())(*inputs)
     np.testing.assert_array_equal(out["tokens"], expected["tokens"])
     assert seen[0].shape == (3, 700)
+
+
+def _device_check():
+    """`scripts/device_check.py` as a module (it is a script, not in the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check", DEVICE_CHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_device_check_names_tests_that_exist():
+    """Every test the device check selects is a test function of its file: a renamed
+    test would otherwise make pytest refuse the whole run on the device."""
+    device_check = _device_check()
+    root = DEVICE_CHECK.parents[1]
+    for selection in (device_check.SELECTION, device_check.QUICK_SELECTION):
+        for path, names in selection.items():
+            tree = ast.parse((root / path).read_text())
+            defined = {
+                node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+            }
+            assert set(names) <= defined, (path, set(names) - defined)
+    ids = device_check.node_ids({"tests/a.py": (), "tests/b.py": ("test_x", "test_y")})
+    assert ids == ["tests/a.py", "tests/b.py::test_x", "tests/b.py::test_y"]
+
+
+def test_the_device_check_reports_tests_per_file(tmp_path):
+    """The JUnit report read back per file, into the test table and the combined
+    Markdown report, without running anything."""
+    device_check = _device_check()
+    (tmp_path / "tests.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_block" name="test_a[1]" time="1.5"/>'
+        '<testcase classname="tests.test_block" name="test_a[2]" time="0.5">'
+        '<failure message="no"/></testcase>'
+        '<testcase classname="tests.test_trees" name="test_b" time="0.25">'
+        '<skipped message="gpu"/></testcase>'
+        '<testcase classname="" name="tests.test_loop" time="0"><error/></testcase>'
+        # The test pytest was running when it was interrupted.
+        '<testcase time="0.001" />'
+        "</testsuite></testsuites>"
+    )
+    files = device_check.junit_summary(tmp_path / "tests.xml")
+    columns = (*device_check.OUTCOMES, "seconds")
+    rows = {name: [counts[key] for key in columns] for name, counts in files.items()}
+    # passed, failed, errors, skipped, seconds
+    assert rows == {
+        "tests/test_block.py": [1, 1, 0, 0, 2.0],
+        "tests/test_trees.py": [0, 0, 0, 1, 0.25],
+        "tests/test_loop.py": [0, 0, 1, 0, 0.0],
+    }
+    table = device_check.tests_markdown(files)
+    assert "| tests/test_block.py | 1 | 1 | 0 | 0 | 2.0 |" in table
+    assert table.splitlines()[-1] == "| **total** | 1 | 1 | 1 | 1 | 2.2 |"
+    stage = {"returncode": 0, "seconds": 3.0, "timed_out": False}
+    report = {
+        "quick": False,
+        "platform": {"backend": "gpu", "devices": ["cuda:0"], "jax_version": "0.9"},
+        "stages": {
+            "platform": stage,
+            "bench": {**stage, "timed_out": True, "returncode": None},
+            "tests": {**stage, "returncode": 1},
+        },
+        "passed": False,
+        "seconds": 290.0,
+    }
+    markdown = device_check.report_markdown(report, "| bench |", table)
+    assert "- backend: gpu; devices: cuda:0" in markdown
+    assert "- bench: stopped at its time limit, 3.0 s" in markdown
+    assert "- tests: failed (exit status 1), 3.0 s" in markdown
+    assert "| bench |" in markdown and table in markdown
+    assert markdown.endswith("**FAIL** in 290 s\n")
+
+
+@pytest.mark.slow
+def test_the_device_check_runs_end_to_end_in_quick_mode(tmp_path):
+    """`scripts/device_check.sh --quick` on this backend: one tiny bench size and
+    one test, every report written with its fields, exit status 0."""
+    import os
+    import subprocess
+    import sys
+
+    script = DEVICE_CHECK.with_suffix(".sh")
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        [str(script), str(tmp_path / "out"), "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = tmp_path / "out"
+    for name in ("bench.json", "bench.md", "tests.xml", "tests.md", "pytest.log"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "device_check.json").read_text())
+    assert report["passed"] is True and report["quick"] is True
+    assert report["platform"]["backend"] == jax.default_backend()
+    assert set(report["stages"]) == {"platform", "bench", "tests"}
+    assert all(stage["returncode"] == 0 for stage in report["stages"].values())
+    (row,) = report["bench"]["results"]
+    assert row["size"] == "2x2x300:float32" and row["speculax_ms"] > 0
+    assert report["tests"]["totals"]["passed"] > 0
+    assert report["tests"]["totals"]["failed"] == 0
+    assert set(report["tests"]["files"]) == {"tests/test_batch_invariance.py"}
+    markdown = (out / "device_check.md").read_text()
+    assert "| 2x2x300 | float32 | default |" in markdown
+    assert "| tests/test_batch_invariance.py |" in markdown
+    assert markdown.endswith(" s\n") and "**PASS**" in markdown
+    # The combined report closes standard output, where a short tail shows it.
+    assert result.stdout.endswith(markdown + "\n")
