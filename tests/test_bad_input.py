@@ -711,7 +711,10 @@ def test_failure_messages_need_concrete_codes():
     import speculax
 
     step = speculax.SpeculativeStep(throw=False)
-    _, result = step.with_result(**random_inputs(4, BATCH, DRAFT, VOCAB))
+    # Compiled: eagerly, each of the step's operations would compile on its own.
+    _, result = eqx.filter_jit(step.with_result)(
+        **random_inputs(4, BATCH, DRAFT, VOCAB)
+    )
     with pytest.raises(ValueError, match="outside jit"):
         jax.jit(lambda result: len(speculax.failure_messages(result)))(result)
 

@@ -132,7 +132,7 @@ def test_inverse_cdf_near_one_never_runs_off_the_end(block_size, trailing_zeros)
     positive = rng.random(1000).astype(np.float32) + 0.01
     weights = np.concatenate([positive, np.zeros(trailing_zeros, np.float32)])
     s = np.nextafter(np.float32(1), np.float32(0))
-    token = speculax.InverseCDF(block_size=block_size)(
+    token = eqx.filter_jit(speculax.InverseCDF(block_size=block_size))(
         jnp.array([weights]), jnp.array([s])
     )
     assert token.tolist() == [999]
@@ -189,12 +189,12 @@ def test_swapping_a_custom_acceptance_changes_the_count():
         "sample_uniforms": jnp.array([0.92]),
     }
     default = speculax.SpeculativeStep()
-    assert default(**inputs)["num_accepted"].tolist() == [1]
+    assert eqx.filter_jit(default)(**inputs)["num_accepted"].tolist() == [1]
 
     by_constructor = speculax.SpeculativeStep(acceptance=AcceptEverything())
     by_tree_at = eqx.tree_at(lambda step: step.acceptance, default, AcceptEverything())
     for step in (by_constructor, by_tree_at):
-        out = step(**inputs)
+        out = eqx.filter_jit(step)(**inputs)
         # All accepted, so y is drawn from p_G = [0.19, 0.34, 0.07, 0.4] at s = 0.92.
         assert out["num_accepted"].tolist() == [2]
         assert out["tokens"].tolist() == [[3, 2, 3]]

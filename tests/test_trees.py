@@ -846,7 +846,7 @@ def test_a_deterministic_sampler_needs_no_sample_uniforms():
 
     inputs = _random_tree_inputs(8, 2)
     del inputs["sample_uniforms"]
-    out = speculax.TreeStep(sampler=speculax.Argmax())(**inputs)
+    out = _jitted(speculax.TreeStep(sampler=speculax.Argmax()))(**inputs)
     assert out["tokens"].shape == (2, 8)
     with pytest.raises(ValueError, match="sample_uniforms is required: InverseCDF"):
         speculax.TreeStep()(**inputs)

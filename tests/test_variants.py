@@ -245,10 +245,11 @@ def test_greedy_ties_go_to_the_smallest_token_id():
     import speculax
 
     target = jnp.array([[[0.4, 0.4, 0.2], [0.1, 0.45, 0.45]]])
-    out = speculax.greedy_step()(jnp.array([[1]]), jnp.zeros((1, 1, 3)), target)
+    greedy = eqx.filter_jit(speculax.greedy_step())
+    out = greedy(jnp.array([[1]]), jnp.zeros((1, 1, 3)), target)
     # Token 1 ties with token 0 for p_0's maximum and loses; y = 0.
     assert out["tokens"].tolist() == [[0, -1]]
-    out = speculax.greedy_step()(jnp.array([[0]]), jnp.zeros((1, 1, 3)), target)
+    out = greedy(jnp.array([[0]]), jnp.zeros((1, 1, 3)), target)
     assert out["tokens"].tolist() == [[0, 1]]
 
 
