@@ -924,8 +924,15 @@ def _strategy_inputs(seed: int, dtype=np.float32) -> dict:
     batch, num_nodes = len(STRATEGY_TREES), len(STRATEGY_TREES[0])
     inputs = random_inputs(seed, batch, num_nodes, STRATEGY_VOCAB)
     target = inputs["target_probs"]
+    # Each token drawn from its parent's target row, so that one-hot drafts pass
+    # some tests too.
+    tokens = np.array(
+        [
+            [rng.choice(STRATEGY_VOCAB, p=target[b, max(parent, 0)]) for parent in tree]
+            for b, tree in enumerate(STRATEGY_TREES)
+        ]
+    )
     target[4, 0] = np.nan
-    tokens = rng.integers(0, STRATEGY_VOCAB, (batch, num_nodes))
     tokens[5, 1] = STRATEGY_VOCAB
     uniform_dtype = np.float64 if dtype == np.float64 else np.float32
     return {
@@ -990,7 +997,7 @@ def test_both_row_strategies_walk_the_trees_alike():
     assert one["messages"][4].startswith("target_probs")
     assert one["messages"][5].startswith("tree_tokens")
     assert not any(one["messages"][:4])
-    assert 0 < np.mean(one["num_accepted"][:4]) < 3
+    assert 0 < np.mean(one["num_accepted"][:4]) < 6
 
 
 @pytest.mark.slow
