@@ -229,3 +229,25 @@ def test_one_at_a_time_loops_over_the_batch(name):
     got = counts("one at a time", (name,))[name]
     print(f"{name}, one at a time: {got}")
     assert got[32] > got[4], got
+
+
+def test_the_strategy_is_checked_and_caches_clear_only_on_a_change(monkeypatch):
+    import speculax
+
+    with (
+        pytest.raises(ValueError, match=r"strategy must be one of .*; got 'gather'"),
+        speculax.row_strategy("gather"),
+    ):
+        pass
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True))
+    own = "one at a time" if jax.default_backend() == "cpu" else "all at once"
+    other = "all at once" if own == "one at a time" else "one at a time"
+    with speculax.row_strategy(own):
+        assert cleared == []
+        with speculax.row_strategy(other):
+            assert len(cleared) == 1
+            with speculax.row_strategy(other):
+                assert len(cleared) == 1
+        assert len(cleared) == 2
+    assert len(cleared) == 2

@@ -5,16 +5,14 @@ switch every row loop of the library reads, when it is traced. See
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Literal
 
 import jax
 
 
-RowStrategy = Literal["one at a time", "all at once"]
 _STRATEGIES = ("one at a time", "all at once")
 
 # The strategy forced by `row_strategy`, or None for the backend's own.
-_forced: contextvars.ContextVar[RowStrategy | None] = contextvars.ContextVar(
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "speculax_row_strategy", default=None
 )
 
@@ -28,7 +26,7 @@ def rows_one_at_a_time() -> bool:
     return _in_force() == "one at a time"
 
 
-def _in_force() -> RowStrategy:
+def _in_force() -> str:
     """The strategy forced by `row_strategy`, else the backend's own."""
     forced = _forced.get()
     if forced is not None:
@@ -37,13 +35,16 @@ def _in_force() -> RowStrategy:
 
 
 @contextlib.contextmanager
-def row_strategy(strategy: RowStrategy) -> Iterator[None]:
+def row_strategy(strategy: str) -> Iterator[None]:
     """Forces how the steps traced inside the block read the rows of a batch.
 
     By default the steps work on one row at a time on CPU, where a row then stays in
     cache (a `lax.map` over the row indices), and on all rows at once on other
-    backends, where a loop over the rows would run serially. Both give the same
-    answers; on CPU this runs the accelerators' formulation, to test it or time it.
+    backends, where a loop over the rows would run serially. On CPU this runs the
+    accelerators' formulation, to test it or time it. Both verify the same way: the
+    tree walks agree to the last bit, and the block sums a draw reads are added in
+    an order of each strategy's own, so that only a uniform within rounding of a
+    block's edge can draw a neighbouring token.
     Some inputs keep their own choice: half-precision rows are gathered all at once
     on CPU too, since XLA CPU would convert the whole array inside a loop.
 
