@@ -37,12 +37,11 @@ def release_compiled_programs():
     jax.clear_caches()
 
 
-@pytest.fixture(params=["per_row", "gather"])
-def row_access(request, monkeypatch):
-    """Both row-access strategies of the summary (CPU loop, GPU gather), on CPU."""
-    from speculax._pieces import _stopping_rows
+@pytest.fixture(params=["one at a time", "all at once"], ids=["one", "all"])
+def row_access(request):
+    """Both row strategies (`speculax.row_strategy`: the CPU's loop over the rows,
+    the accelerators' batched form), on CPU: the one way the tests choose."""
+    import speculax
 
-    monkeypatch.setattr(
-        _stopping_rows, "_per_row_default", lambda: request.param == "per_row"
-    )
-    return request.param
+    with speculax.row_strategy(request.param):
+        yield request.param

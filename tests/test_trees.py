@@ -897,3 +897,146 @@ def test_a_long_enumeration_warns_before_it_starts():
             drafting="independent",
         )
     assert error < 1e-12
+
+
+# Both row strategies (`speculax.row_strategy`): one tree at a time (`lax.map`, the
+# CPU's) and all trees at once (the walk batched by `vmap`, the accelerators'), to the
+# last bit. One shape per row, N = 6: a 2x2 tree, a chain (deeper than max_depth=2),
+# two ragged trees with unused slots, and two trees whose row is bad (NaN in the root's
+# target row, a token outside the vocabulary), which throw=False reports per row.
+STRATEGY_TREES = [
+    [0, 0, 1, 1, 2, 2],
+    [0, 1, 2, 3, 4, 5],
+    [0, 1, -1, 0, 2, -1],
+    [0, 0, 0, -1, -1, -1],
+    [0, 1, 1, 2, 2, 3],
+    [0, 0, 1, 2, -1, 3],
+]
+STRATEGY_VOCAB = 12
+DRAFTING = ("independent", "without replacement", "deterministic")
+STRATEGIES = ("one at a time", "all at once")
+
+
+def _strategy_inputs(seed: int, dtype=np.float32) -> dict:
+    """Tree inputs over the rows of `STRATEGY_TREES`, probabilities in `dtype`
+    (uniforms in float32, or float64 for float64 probabilities); coins below 0.6,
+    so that the walks go down several levels and fail some tests."""
+    rng = np.random.default_rng(seed)
+    batch, num_nodes = len(STRATEGY_TREES), len(STRATEGY_TREES[0])
+    inputs = random_inputs(seed, batch, num_nodes, STRATEGY_VOCAB)
+    target = inputs["target_probs"]
+    # Each token drawn from its parent's target row, so that one-hot drafts pass
+    # some tests too.
+    tokens = np.array(
+        [
+            [rng.choice(STRATEGY_VOCAB, p=target[b, max(parent, 0)]) for parent in tree]
+            for b, tree in enumerate(STRATEGY_TREES)
+        ]
+    )
+    target[4, 0] = np.nan
+    tokens[5, 1] = STRATEGY_VOCAB
+    uniform_dtype = np.float64 if dtype == np.float64 else np.float32
+    return {
+        "parents": np.array(STRATEGY_TREES),
+        "tree_tokens": tokens,
+        "draft_probs": random_inputs(seed + 1, batch, num_nodes + 1, STRATEGY_VOCAB)[
+            "draft_probs"
+        ].astype(dtype),
+        "target_probs": target.astype(dtype),
+        "accept_uniforms": (rng.random((batch, num_nodes)) * 0.6).astype(uniform_dtype),
+        "sample_uniforms": rng.random(batch).astype(uniform_dtype),
+    }
+
+
+def _strategy_step(kind: str, drafting: str, max_depth: int | None = None):
+    """The step of `kind` for `drafting`, reporting bad rows per row."""
+    return _step(kind, _rule(drafting), max_depth=max_depth, throw=False)
+
+
+def _drafted(inputs: dict, drafting: str) -> dict:
+    """`inputs` as `drafting` reads them: no `draft_probs` for deterministic drafts."""
+    return {**inputs, "draft_probs": None} if drafting == "deterministic" else inputs
+
+
+def _answers(out, result) -> dict:
+    """A step's output and per-row messages, as NumPy arrays and strings."""
+    import speculax
+
+    return {
+        **{name: np.asarray(value) for name, value in out.items()},
+        "messages": speculax.failure_messages(result),
+    }
+
+
+def _assert_same_answers(got: dict, want: dict):
+    for name in ("num_accepted", "tokens", "accepted_nodes"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert got["messages"] == want["messages"]
+
+
+def _under_each_strategy(run) -> dict:
+    """`run()` under each row strategy, the backend's own (one at a time on CPU)
+    first, so that only the other one compiles its programs again."""
+    import speculax
+
+    answers = {}
+    for strategy in STRATEGIES:
+        with speculax.row_strategy(strategy):
+            answers[strategy] = run()
+    return answers
+
+
+def test_both_row_strategies_walk_the_trees_alike():
+    """All trees at once gives what one tree at a time gives, to the last bit, with
+    the same per-row outcomes: ragged trees and bad rows, float32, for the traversal,
+    whose nested while loops the batched walk runs until every row is done. The
+    recursive walk, the other drafting modes and dtypes are the extended tier."""
+    inputs = _strategy_inputs(21)
+    run = _jitted(_strategy_step("traversal", "independent").with_result)
+    one, every = _under_each_strategy(lambda: _answers(*run(**inputs))).values()
+    _assert_same_answers(every, one)
+    assert one["messages"][4].startswith("target_probs")
+    assert one["messages"][5].startswith("tree_tokens")
+    assert not any(one["messages"][:4])
+    assert 0 < np.mean(one["num_accepted"][:4]) < 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("max_depth", [None, 2])
+@pytest.mark.parametrize("drafting", DRAFTING)
+@pytest.mark.parametrize("kind", STEPS)
+def test_both_row_strategies_give_the_same_answers(kind, drafting, max_depth, dtype):
+    """Bit for bit and outcome for outcome, for each walk, drafting mode, depth
+    limit and dtype (float64 under x64)."""
+    with jax.enable_x64(dtype == "float64"):
+        inputs = _drafted(_strategy_inputs(22, jnp.dtype(dtype).type), drafting)
+        run = _jitted(_strategy_step(kind, drafting, max_depth).with_result)
+        answers = _under_each_strategy(lambda: _answers(*run(**inputs)))
+    one, every = answers.values()
+    _assert_same_answers(every, one)
+    assert 0 < np.mean(one["num_accepted"][:4]) <= (max_depth or 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", DRAFTING)
+@pytest.mark.parametrize("kind", STEPS)
+def test_a_row_alone_equals_the_row_in_the_batch_under_both_strategies(kind, drafting):
+    inputs = _drafted(_strategy_inputs(23), drafting)
+    run = _jitted(_strategy_step(kind, drafting).with_result)
+
+    def alone_and_batched():
+        batched = _answers(*run(**inputs))
+        for b in range(len(STRATEGY_TREES)):
+            row = {
+                name: None if value is None else value[b : b + 1]
+                for name, value in inputs.items()
+            }
+            alone = _answers(*run(**row))
+            for name in ("num_accepted", "tokens", "accepted_nodes"):
+                np.testing.assert_array_equal(alone[name][0], batched[name][b])
+            assert alone["messages"] == batched["messages"][b : b + 1]
+        return batched
+
+    one, every = _under_each_strategy(alone_and_batched).values()
+    _assert_same_answers(every, one)

@@ -17,6 +17,7 @@ from .._core._failures import (
     stopping_row_failures,
 )
 from .._core._numerics import arithmetic_dtype, flush_subnormal
+from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_row
 from .._inputs._coercion import StepInputs, coerce_inputs
 from .._inputs._input_array import InputArray
@@ -27,7 +28,6 @@ from .._pieces._stopping_rows import stopping_row_summary
 from ._parameters import SamplingParameters, sampling_parameters
 from ._truncation import (
     RowStatistics,
-    loops_over_rows,
     probability,
     request_statistics,
 )
@@ -435,7 +435,7 @@ def _probability_rows(
     tokens = jnp.arange(vocab)
     rows = jnp.arange(batch)
     at_position = jax.tree.map(lambda x: x[rows, position], statistics)
-    if not loops_over_rows():
+    if not rows_one_at_a_time():
         return probability(
             logits[rows, position],
             tokens[None, :],

@@ -25,7 +25,8 @@ search stops as soon as one value is left between the bounds. The steps read onl
 the groups of `GROUP_SIZE` tokens whose maximum reaches a lower bound of the
 threshold found from the groups' maxima, or the whole row when there are too many.
 On CPU the rows are processed two at a time, so that the repeated passes read a row
-from cache; see `docs/from_logits.md` for the cost.
+from cache (all at once on other backends: `speculax.row_strategy`); see
+`docs/from_logits.md` for the cost.
 """
 
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt
 
 from .._core._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
+from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_row
 from ._parameters import SamplingParameters
 
@@ -128,9 +130,10 @@ def row_statistics(
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
 ) -> RowStatistics:
-    """The `RowStatistics` of each row, a loop over chunks of rows (two on CPU,
-    where the thresholds' repeated passes then read from cache; all at once
-    elsewhere), reading each row from memory once. A chunk none of whose rows is
+    """The `RowStatistics` of each row, a loop over chunks of rows (two when the
+    rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
+    repeated passes then read from cache; all at once elsewhere), reading each row
+    from memory once. A chunk none of whose rows is
     truncated skips the threshold searches: temperature alone costs two passes over
     a row, one for its largest logit and one for its normaliser.
     """
@@ -141,7 +144,7 @@ def row_statistics(
         return RowStatistics(
             nothing, jnp.zeros((0,), jnp.int32), nothing, nothing, jnp.zeros((0,), bool)
         )
-    chunk = 2 if loops_over_rows() else num_rows
+    chunk = 2 if rows_one_at_a_time() else num_rows
     num_chunks = -(-num_rows // chunk)
     truncating = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))
 
@@ -160,13 +163,6 @@ def row_statistics(
     firsts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
     statistics = jax.lax.map(one_chunk, firsts)
     return jax.tree.map(lambda x: x.reshape(-1)[:num_rows], statistics)
-
-
-def loops_over_rows() -> bool:
-    """Whether to work row by row (`lax.map`): on CPU, where a row then stays in
-    cache and XLA's batched gathers are slow; elsewhere the rows go at once, since a
-    loop would run serially on an accelerator."""
-    return jax.default_backend() == "cpu"
 
 
 class _Row(eqx.Module):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._core._numerics import flush_subnormal, ordered_block_sums, upcast
+from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_probs_row
 from .._core._vocab_axis import one_hot_over_vocab, sum_over_vocab, vocab_offset
 
@@ -82,7 +83,6 @@ def stopping_row_summary(
     block_size: int,
     num_draft_tokens: Int[Array, " batch"] | None = None,
     draft_tokens: Int[Array, "batch draft"] | None = None,
-    per_row: bool | None = None,
     axis_name: str | None = None,
     scale: Float[Array, " batch"] | None = None,
 ) -> RowSummary:
@@ -93,7 +93,8 @@ def stopping_row_summary(
     residual and sampler, to the sampling, so that the two rows are read once between
     them. A row whose residual turns out to have no mass (possible only through
     rounding or unnormalised inputs) is summed again as $p_n$, in a second pass that
-    runs only when some row needs it.
+    runs only when some row needs it. The rows are read one at a time or all at
+    once as `summary_loops_over_rows` chooses.
 
     **Arguments:**
 
@@ -105,13 +106,6 @@ def stopping_row_summary(
         both `None` the summary covers $p_n$ alone, enough for the value checks.
     - `block_size`: the number of tokens summed into one block (at most the
         vocabulary size is used).
-    - `per_row`: `True` loops over the batch (`lax.map` of `dynamic_slice`s: on XLA
-        CPU this is several times faster than a batched gather, whose fused form is
-        not vectorised); `False` gathers the rows of the whole batch at once, which
-        suits GPUs, where a loop over the batch would run serially. `None` chooses by
-        `jax.default_backend()`. Half-precision inputs always take the gather: XLA
-        CPU converts a whole half-precision array to float32 before slicing it
-        inside a loop, an extra pass and a temporary twice the array's size.
     - `axis_name`: inside `shard_map`, the mesh axis the vocabulary is split over:
         the block sums are then those of this device's slice, and whether a row has
         mass is decided over the whole row.
@@ -122,10 +116,7 @@ def stopping_row_summary(
 
     A `RowSummary`.
     """
-    if per_row is None:
-        per_row = summary_loops_over_rows(target_probs, draft_probs)
-    elif _half(target_probs, *([] if draft_probs is None else [draft_probs])):
-        per_row = False
+    per_row = summary_loops_over_rows(target_probs, draft_probs)
     num_draft = target_probs.shape[1] - 1
     # The draft positions are the draft's own rows: the chain step's target has one
     # more, and a caller drawing from given rows p_n and q_n passes one of each.
@@ -338,9 +329,15 @@ def summary_loops_over_rows(
     target_probs: Float[Array, "batch positions vocab"],
     draft_probs: Float[Array, "batch draft vocab"] | None,
 ) -> bool:
-    """Whether `stopping_row_summary`, by default, loops over the batch for these
-    inputs (see its `per_row`)."""
-    return _per_row_default() and not _half(
+    """Whether `stopping_row_summary` loops over the batch for these inputs
+    (`lax.map` of `dynamic_slice`s: on XLA CPU several times faster than a batched
+    gather, whose fused form is not vectorised) rather than gathering the rows of
+    the whole batch at once, which suits GPUs, where a loop over the batch would
+    run serially: the row strategy in force (`rows_one_at_a_time`), except that
+    half-precision inputs always take the gather: XLA CPU converts a whole
+    half-precision array to float32 before slicing it inside a loop, an extra pass
+    and a temporary twice the array's size."""
+    return rows_one_at_a_time() and not _half(
         target_probs, *([] if draft_probs is None else [draft_probs])
     )
 
@@ -348,14 +345,6 @@ def summary_loops_over_rows(
 def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:
     # Negative, NaN or infinite, in two comparisons (NaN fails both).
     return ~((x >= 0) & (x < jnp.inf))
-
-
-def _per_row_default() -> bool:
-    """The row-access strategy for the backend: a loop over the batch on CPU, a
-    batched gather elsewhere (a loop would run serially on a GPU). Tests replace this
-    function to run the other strategy on CPU.
-    """
-    return jax.default_backend() == "cpu"
 
 
 def _half(*arrays: Array) -> bool:

@@ -2,6 +2,7 @@
 checks, the final draw and the output. See `docs/trees.md`."""
 
 import abc
+from collections.abc import Callable
 from typing import TypedDict, final
 
 import equinox as eqx
@@ -23,6 +24,7 @@ from .._core._numerics import (
     ordered_block_sums,
     upcast,
 )
+from .._core._row_strategy import rows_one_at_a_time
 from .._core._vocab_axis import ordered_row_sums
 from .._inputs._coercion import coerce_inputs, uniform_reader
 from .._inputs._input_array import InputArray
@@ -227,9 +229,7 @@ class AbstractTreeStep(eqx.Module):
                 lambda x: jnp.broadcast_to(x, (batch, *x.shape)), start
             )
         else:
-            # A loop over the row indices, the arrays read in place: looping over
-            # the rows themselves would copy each tree's (N + 1, V) slab.
-            walks = jax.lax.map(one_tree, jnp.arange(batch, dtype=jnp.int32))
+            walks = _walk_every_tree(one_tree, batch)
         drawn, row_failures = self._draw(
             walks, draft_probs, target_probs, sample_uniforms
         )
@@ -326,6 +326,23 @@ class AbstractTreeStep(eqx.Module):
             (overflows, RESULTS.target_row_overflows),
         ]
         return drawn, failures
+
+
+def _walk_every_tree(
+    one_tree: Callable[[Int[Array, ""]], TreeWalk], batch: int
+) -> TreeWalk:
+    """The walks of the `batch` rows' trees, `one_tree` taking a row's index, as the
+    row strategy in force (`rows_one_at_a_time`) chooses. One at a time, a loop over
+    the row indices with the arrays read in place (looping over the rows themselves
+    would copy each tree's `(N + 1, V)` slab), so that each row's work follows its
+    own path. All at once, the walk batched over the rows: its conditionals become
+    selects that compute both sides, and its loops run until every row is done, but
+    nothing runs serially row after row, which on an accelerator would cost the
+    whole batch's time per row. Each row's answer is the same to the last bit."""
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    if rows_one_at_a_time():
+        return jax.lax.map(one_tree, rows)
+    return jax.vmap(one_tree)(rows)
 
 
 def _tree_failures(
