@@ -642,13 +642,9 @@ def _uniforms_on_block_edges(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(which), np.array(uniforms, np.float32)
 
 
-@pytest.mark.slow
-def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
-    """Bit for bit also where the token depends on the last bit of a block sum: the
-    tree step sums the weights in the lanes of the chain step's row summary, for
-    either row strategy."""
-    import speculax
-
+def _chain_on_block_edges() -> dict:
+    """A chain of one draft token, rejected, and sample uniforms on the edges of the
+    blocks of what it leaves, where the token depends on a block sum's last bit."""
     rng = np.random.default_rng(13)
     vocab = 16 * 256
     target = rng.random((6, 2, vocab)).astype(np.float32) + 0.01
@@ -660,17 +656,46 @@ def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
     tokens = np.argmin(target[:, 0] / draft[:, 0], axis=-1)[:, None]
     weights = np.maximum(target[:, 0] - draft[:, 0], 0)
     which, uniforms = _uniforms_on_block_edges(weights)
-    chain = {
+    return {
         "draft_tokens": tokens[which],
         "draft_probs": draft[which],
         "target_probs": target[which],
         "accept_uniforms": np.full((which.size, 1), 0.99999, np.float32),
         "sample_uniforms": uniforms,
     }
+
+
+@pytest.mark.slow
+def test_a_chain_draws_the_chain_steps_token_on_block_edges(row_access):
+    """Bit for bit also where the token depends on the last bit of a block sum: the
+    tree step sums the weights in the lanes of the chain step's row summary, for
+    either row strategy."""
+    import speculax
+
+    chain = _chain_on_block_edges()
     want = jax.jit(speculax.SpeculativeStep())(**chain)
     assert np.all(np.asarray(want["num_accepted"]) == 0)
     got = jax.jit(speculax.TreeStep())(**_chain_as_tree(chain))
     np.testing.assert_array_equal(got["tokens"], want["tokens"])
+
+
+@pytest.mark.parametrize(
+    "kind", ["chain", pytest.param("tree", marks=pytest.mark.slow)]
+)
+def test_both_row_strategies_draw_alike_on_block_edges(kind):
+    """One at a time and all at once, the same token also where it depends on the
+    last bit of a block sum: the sums' order is the inputs', not the strategy's."""
+    import speculax
+
+    chain = _chain_on_block_edges()
+    step, inputs = speculax.SpeculativeStep(), chain
+    if kind == "tree":
+        step, inputs = speculax.TreeStep(), _chain_as_tree(chain)
+    tokens = {}
+    for strategy in ("one at a time", "all at once"):
+        with speculax.row_strategy(strategy):
+            tokens[strategy] = np.asarray(jax.jit(step)(**inputs)["tokens"])
+    np.testing.assert_array_equal(tokens["all at once"], tokens["one at a time"])
 
 
 def _reference_walk(parents, tokens, q, p, u, s, without_replacement, max_depth):

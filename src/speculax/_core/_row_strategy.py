@@ -41,10 +41,10 @@ def row_strategy(strategy: str) -> Iterator[None]:
     By default the steps work on one row at a time on CPU, where a row then stays in
     cache (a `lax.map` over the row indices), and on all rows at once on other
     backends, where a loop over the rows would run serially. On CPU this runs the
-    accelerators' formulation, to test it or time it. Both verify the same way: the
-    tree walks agree to the last bit, and the block sums a draw reads are added in
-    an order of each strategy's own, so that only a uniform within rounding of a
-    block's edge can draw a neighbouring token.
+    accelerators' formulation, to test it or time it. Both give the same answers to
+    the last bit: every sum is added in an order fixed by the inputs' shapes and
+    dtypes, never by the strategy, so that even a uniform on the edge of a block
+    of the inverse-CDF draw draws the same token.
     Some inputs keep their own choice: half-precision rows are gathered all at once
     on CPU too, since XLA CPU would convert the whole array inside a loop.
 

@@ -270,7 +270,7 @@ def _row_block_sums(
     batch, _, vocab = target_probs.shape
     num_draft = 0 if draft_probs is None else draft_probs.shape[1]
 
-    lanes = summation_lanes(per_row)
+    lanes = summation_lanes(target_probs, draft_probs)
 
     def block_sums(target_row, draft_row, subtracting, scale):
         # Works on (..., vocab) rows; `subtracting` and `scale` broadcast against
@@ -313,16 +313,22 @@ def _row_block_sums(
     )
 
 
-def summation_lanes(per_row: bool) -> int:
-    """The lanes the summary adds its blocks in (`ordered_block_sums`): they fix the
-    last bit of every block sum, so a step that must draw the same token as the
-    chain step's summary sums its weights in the same lanes.
+def summation_lanes(
+    target_probs: Float[Array, "batch positions vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+) -> int:
+    """The lanes the summary adds its blocks in (`ordered_block_sums`) for these
+    inputs: they fix the last bit of every block sum, so a step that must draw the
+    same token as the chain step's summary sums its weights in the same lanes. They
+    depend on the inputs' dtypes alone, never on the row strategy, so that both
+    strategies draw the same token even for a uniform on a block's edge.
 
-    The lane counts measured fastest on XLA CPU: 32 for one float32 row at a time
-    (16 took 1.1-1.3 times as long at V = 128256 and 262144, 8 twice as long), 8 for
-    a batch of gathered half-precision rows (16 took three times as long).
+    The lane counts measured fastest on XLA CPU: 32 for float32 rows, which go one at
+    a time there (16 took 1.1-1.3 times as long at V = 128256 and 262144, 8 twice as
+    long), 8 for half-precision rows, which are gathered all at once (16 took three
+    times as long).
     """
-    return 32 if per_row else 8
+    return 8 if _half_inputs(target_probs, draft_probs) else 32
 
 
 def summary_loops_over_rows(
@@ -337,9 +343,7 @@ def summary_loops_over_rows(
     half-precision inputs always take the gather: XLA CPU converts a whole
     half-precision array to float32 before slicing it inside a loop, an extra pass
     and a temporary twice the array's size."""
-    return rows_one_at_a_time() and not _half(
-        target_probs, *([] if draft_probs is None else [draft_probs])
-    )
+    return rows_one_at_a_time() and not _half_inputs(target_probs, draft_probs)
 
 
 def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:
@@ -347,5 +351,10 @@ def _invalid(x: Float[Array, "*shape"]) -> Bool[Array, "*shape"]:
     return ~((x >= 0) & (x < jnp.inf))
 
 
-def _half(*arrays: Array) -> bool:
+def _half_inputs(
+    target_probs: Float[Array, "batch positions vocab"],
+    draft_probs: Float[Array, "batch draft vocab"] | None,
+) -> bool:
+    """Whether either input is in half precision."""
+    arrays = [target_probs] if draft_probs is None else [target_probs, draft_probs]
     return any(x.dtype.itemsize < 4 for x in arrays)

@@ -30,7 +30,7 @@ from .._inputs._coercion import coerce_inputs, uniform_reader
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._pieces._sampling import AbstractBlockSumSampler, AbstractSampler, block_reader
-from .._pieces._stopping_rows import summary_loops_over_rows, summation_lanes
+from .._pieces._stopping_rows import summation_lanes
 from ._siblings import AbstractSiblingRule
 
 
@@ -304,7 +304,7 @@ class AbstractTreeStep(eqx.Module):
             # The draw's block sums serve the overflow check too: summing the rows
             # apart would cost two (B, V) temporaries.
             block_size = min(self.sampler.block_size, vocab)
-            lanes = summation_lanes(summary_loops_over_rows(target_probs, draft_probs))
+            lanes = summation_lanes(target_probs, draft_probs)
             block_mass = ordered_block_sums(weights, block_size, lanes)
             total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
             drawn = self.sampler.draw_from_block_sums(
