@@ -81,7 +81,14 @@ SELECTION: dict[str, tuple[str, ...]] = {
         "test_traversal_on_a_chain_is_block_verification",
         "test_row_alone_equals_row_in_batch",
         "test_the_step_walks_the_rule",
+        # The walks and draws of both row strategies, on the device.
+        "test_both_row_strategies_walk_the_trees_alike",
+        "test_both_row_strategies_give_the_same_answers",
+        "test_a_row_alone_equals_the_row_in_the_batch_under_both_strategies",
+        "test_both_row_strategies_draw_alike_on_block_edges",
     ),
+    # The all-at-once path, the accelerators' own, loops over no batch.
+    "tests/test_row_strategy.py": (),
     # Verification from logits.
     "tests/test_logits.py": (
         "test_logits_step_is_the_probability_path_row_by_row",
