@@ -107,15 +107,10 @@ def loop_iterations(jaxpr, sizes: Sizes) -> int:
 
 
 def _chain_inputs(batch: int, sizes: Sizes, draft_probs: bool = True) -> dict:
-    rng = np.random.default_rng(0)
-    probs = rng.random((batch, sizes.draft + 1, sizes.vocab)).astype(np.float32)
-    return {
-        "draft_tokens": jnp.zeros((batch, sizes.draft), jnp.int32),
-        "draft_probs": jnp.asarray(probs[:, :-1]) if draft_probs else None,
-        "target_probs": jnp.asarray(probs),
-        "accept_uniforms": jnp.full((batch, sizes.draft), 0.5),
-        "sample_uniforms": jnp.full((batch,), 0.5),
-    }
+    from inputs import random_inputs
+
+    inputs = random_inputs(0, batch, sizes.draft, sizes.vocab)
+    return inputs if draft_probs else {**inputs, "draft_probs": None}
 
 
 def _logits_inputs(batch: int, sizes: Sizes, truncated: bool) -> dict:

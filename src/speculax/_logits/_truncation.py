@@ -133,9 +133,9 @@ def row_statistics(
     """The `RowStatistics` of each row, a loop over chunks of rows (two when the
     rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
     repeated passes then read from cache; all at once elsewhere), reading each row
-    from memory once. A chunk none of whose rows is
-    truncated skips the threshold searches: temperature alone costs two passes over
-    a row, one for its largest logit and one for its normaliser.
+    from memory once. A chunk none of whose rows is truncated skips the threshold
+    searches: temperature alone costs two passes over a row, one for its largest
+    logit and one for its normaliser.
     """
     num_rows, vocab = logits.shape
     dtype = arithmetic_dtype(logits)
