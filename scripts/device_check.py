@@ -193,19 +193,16 @@ def probe_platform() -> None:
 def bench_rows(outdir: Path, sizes: Sequence[str] | None, repeats: int) -> None:
     """`--stage bench`: `bench_size` for each size (default: the bench's default
     table), rewriting `bench.json` and `bench.md` in `outdir` after every row."""
-    import jax
-
-    from speculax._cli._bench import DEFAULT_SIZES, Size, bench_size, format_table
+    from speculax._cli._bench import (
+        DEFAULT_SIZES,
+        Size,
+        bench_size,
+        format_table,
+        json_report,
+    )
 
     planned = [Size.parse(text) for text in sizes] if sizes else list(DEFAULT_SIZES)
-    report: dict[str, Any] = {
-        "backend": jax.default_backend(),
-        "devices": [str(device) for device in jax.devices()],
-        "jax_version": jax.__version__,
-        "repeats": repeats,
-        "sizes": [str(size) for size in planned],
-        "results": [],
-    }
+    report = {**json_report([], repeats), "sizes": [str(size) for size in planned]}
     for number, size in enumerate(planned, start=1):
         print(f"device check: bench [{number}/{len(planned)}] {size}", file=sys.stderr)
         start = time.perf_counter()

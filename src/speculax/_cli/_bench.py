@@ -638,6 +638,18 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     return f"{ratios}\n\n{details}"
 
 
+def json_report(results: Sequence[dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """What `speculax bench --json` prints: the backend, its devices, JAX's version,
+    the number of timed runs and the results of `run_bench`."""
+    return {
+        "backend": jax.default_backend(),
+        "devices": [str(device) for device in jax.devices()],
+        "jax_version": jax.__version__,
+        "repeats": repeats,
+        "results": list(results),
+    }
+
+
 def main(sizes: Sequence[str] | None, repeats: int, as_json: bool) -> int:
     """The body of `speculax bench`; returns the exit status. Progress goes to
     standard error, one line as each size starts and ends; standard output holds
@@ -647,18 +659,7 @@ def main(sizes: Sequence[str] | None, repeats: int, as_json: bool) -> int:
     progress(f"speculax bench: {len(parsed)} sizes, median of {repeats} runs each")
     results = run_bench(parsed, repeats, progress=progress)
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "backend": jax.default_backend(),
-                    "devices": [str(device) for device in jax.devices()],
-                    "jax_version": jax.__version__,
-                    "repeats": repeats,
-                    "results": results,
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(json_report(results, repeats), indent=2))
     else:
         print(
             f"speculax bench: backend {jax.default_backend()}, jax {jax.__version__}, "
@@ -675,6 +676,7 @@ __all__ = [
     "bench_size",
     "floor",
     "format_table",
+    "json_report",
     "make_inputs",
     "make_logits_inputs",
     "make_size_inputs",
