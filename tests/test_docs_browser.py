@@ -208,6 +208,7 @@ def test_the_layout_check_sees_tables(site, browser):
 def test_search_finds_a_name_bare_or_in_full(query, entry, site, browser):
     """The site's search, typed into as a reader does: a public name finds its API
     entry among the first results, whether or not it is written with `speculax.`."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -220,9 +221,20 @@ def test_search_finds_a_name_bare_or_in_full(query, entry, site, browser):
     )
     box.send_keys(query)
 
-    def links(driver):
-        found = driver.find_elements(By.CSS_SELECTOR, "a.md-search-result__link")
-        return [link.get_attribute("href") for link in found] or None
+    # The results are read in one script, not link by link: the search renders
+    # them again as the query's letters arrive, and a link read after its list was
+    # replaced is stale. The first three are those of the whole query once the
+    # entry is among them; what was last on show is the failure's message.
+    shown: list[list[str]] = [[]]
 
-    first = WebDriverWait(browser, 20).until(links)[:3]
-    assert f"{url}/{entry}" in first, first
+    def entry_among_the_first_three(driver):
+        shown[0] = driver.execute_script(
+            "return Array.from(document.querySelectorAll("
+            "'a.md-search-result__link'), link => link.href).slice(0, 3);"
+        )
+        return f"{url}/{entry}" in shown[0]
+
+    try:
+        WebDriverWait(browser, 20).until(entry_among_the_first_three)
+    except TimeoutException:
+        pytest.fail(f"{entry} is not among the first three results: {shown[0]}")
