@@ -125,14 +125,15 @@ def _logits_inputs(batch: int, sizes: Sizes, truncated: bool) -> dict:
     return inputs
 
 
-def _tree_inputs(batch: int, sizes: Sizes) -> dict:
+def _tree_inputs(batch: int, sizes: Sizes, draft_probs: bool = True) -> dict:
     rng = np.random.default_rng(0)
     shape = (batch, sizes.nodes + 1, sizes.vocab)
     parents = np.array([0, 0, 1, 1, 2, -1])[: sizes.nodes]
+    draft = jnp.asarray(rng.random(shape), jnp.float32)
     return {
         "parents": jnp.tile(jnp.asarray(parents), (batch, 1)),
         "tree_tokens": jnp.zeros((batch, sizes.nodes), jnp.int32),
-        "draft_probs": jnp.asarray(rng.random(shape), jnp.float32),
+        "draft_probs": draft if draft_probs else None,
         "target_probs": jnp.asarray(rng.random(shape), jnp.float32),
         "accept_uniforms": jnp.full((batch, sizes.nodes), 0.5),
         "sample_uniforms": jnp.full((batch,), 0.5),
@@ -165,6 +166,9 @@ def _steps() -> dict:
         "logits": logits_step(truncated=False),
         "logits truncated": logits_step(truncated=True),
         "tree": plain(speculax.TreeStep(), _tree_inputs),
+        "tree deterministic": plain(
+            speculax.TreeStep(), functools.partial(_tree_inputs, draft_probs=False)
+        ),
         "traversal": plain(speculax.TraversalStep(), _tree_inputs),
     }
 
@@ -177,6 +181,7 @@ STEP_NAMES = (
     "logits",
     "logits truncated",
     "tree",
+    "tree deterministic",
     "traversal",
 )
 
@@ -246,3 +251,32 @@ def test_the_strategy_is_checked_and_caches_clear_only_on_a_change(monkeypatch):
                 assert len(cleared) == 1
         assert len(cleared) == 2
     assert len(cleared) == 2
+
+
+def _loop_carries(jaxpr) -> list[tuple[int, ...]]:
+    """The shapes of what every loop of `jaxpr` carries from one iteration to the
+    next, nested loops included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("while", "scan"):
+            shapes += [tuple(var.aval.shape) for var in eqn.outvars]
+        for sub in _sub_jaxprs(eqn):
+            shapes += _loop_carries(sub)
+    return shapes
+
+
+@pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
+@pytest.mark.parametrize("draft_probs", [False, True], ids=["target only", "q"])
+def test_a_target_only_tree_walk_carries_no_vocabulary_row(strategy, draft_probs):
+    """With deterministic drafts a rejection takes its token out of the target row
+    (`docs/trees.md`): no loop of the step carries a `(V,)` row, which a rejection
+    would rewrite. With draft probabilities the walk keeps its rows: the control
+    that the check sees a carried row."""
+    import speculax
+
+    sizes = Sizes(draft=3, nodes=6, vocab=97)
+    inputs = _tree_inputs(4, sizes, draft_probs=draft_probs)
+    with speculax.row_strategy(strategy):
+        jaxpr = jax.make_jaxpr(lambda x: speculax.TreeStep()(**x))(inputs).jaxpr
+    carries_a_row = any(sizes.vocab in shape for shape in _loop_carries(jaxpr))
+    assert carries_a_row == draft_probs

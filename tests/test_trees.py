@@ -144,6 +144,8 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
     import speculax.testing
 
     class KeepTarget(speculax.AbstractSiblingRule):
+        takes_out_one_hot_drafts = False
+
         def __call__(self, target, draft, rejected):
             return target, draft
 

@@ -27,6 +27,11 @@ And one for trees:
     draft row. The baseline is the same walk written the obvious way, vectorised over
     the batch, every node updating `(B, V)` arrays by `jnp.where`; the floor reads
     the target and draft rows of one root-to-leaf path per tree.
+- **deterministic-tree**: `TreeStep()` on the same trees given no draft
+    probabilities (`draft_probs=None`, the target-only rule), where a rejection takes
+    its token out of the target row. The baseline is the same step with the same
+    rule called on whole rows at every rejection, as the walk did before; the floor
+    reads the target rows of one root-to-leaf path per tree.
 
 Two measure what keeping more tokens costs, against the rule it replaces as the
 baseline (a ratio below 1: the baseline is the cheaper one):
@@ -58,7 +63,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar, final
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +72,9 @@ from jaxtyping import Array, Float, Int
 from .._chain._step import SpeculativeStep, StepOutput, block_step, greedy_step
 from .._logits._probs import probs_from_logits
 from .._logits._step import LogitsStep
+from .._tree._abstract import TreeOutput
 from .._tree._recursive import TreeStep
+from .._tree._siblings import AbstractSiblingRule, IndependentSiblings
 from .._tree._traversal import TraversalStep
 
 
@@ -120,12 +127,13 @@ VARIANTS = (
     "deterministic",
     "greedy",
     "tree",
+    "deterministic-tree",
     "block",
     "traversal",
     "logits",
     "truncated",
 )
-TREE_VARIANTS = ("tree", "traversal")
+TREE_VARIANTS = ("tree", "deterministic-tree", "traversal")
 LOGITS_VARIANTS = ("logits", "truncated")
 
 
@@ -138,6 +146,7 @@ DEFAULT_SIZES = (
     Size(64, 5, 128256, variant="deterministic"),
     Size(64, 5, 128256, variant="greedy"),
     Size(8, 60, 128256, variant="tree"),
+    Size(8, 60, 128256, variant="deterministic-tree"),
     Size(64, 5, 128256, variant="block"),
     Size(8, 60, 128256, variant="traversal"),
     Size(64, 5, 128256, variant="logits"),
@@ -454,6 +463,10 @@ def _functions(
         if size.variant == "traversal":
             depth = len(path) - 1
             return TraversalStep(max_depth=depth), inputs, TreeStep(), inputs, path_rows
+        if size.variant == "deterministic-tree":
+            target_only = (*inputs[:2], *inputs[3:])
+            step, on_rows = _target_only(TreeStep()), _target_only(_ON_ROWS)
+            return step, target_only, on_rows, target_only, path_rows[:1]
         return TreeStep(), inputs, baseline_tree_step, inputs, path_rows
     if size.variant in LOGITS_VARIANTS:
         every_logit = inputs[1:3]
@@ -482,6 +495,36 @@ def _functions(
         every_row = (draft_probs, target_probs)
         return block_step(), inputs, SpeculativeStep(), inputs, every_row
     return SpeculativeStep(), inputs, baseline_step, inputs, row_copies
+
+
+@final
+class _SiblingsOnRows(AbstractSiblingRule):
+    """[`speculax.IndependentSiblings`][] called on whole rows at every rejection,
+    deterministic drafts included: the target-only walk before it took tokens out."""
+
+    takes_out_one_hot_drafts: ClassVar[bool] = False
+
+    def __call__(
+        self,
+        target: Float[Array, " vocab"],
+        draft: Float[Array, " vocab"],
+        rejected: Int[Array, ""],
+    ) -> tuple[Float[Array, " vocab"], Float[Array, " vocab"]]:
+        return IndependentSiblings()(target, draft, rejected)
+
+
+_ON_ROWS = TreeStep(_SiblingsOnRows())
+
+
+def _target_only(step: TreeStep) -> Callable[..., TreeOutput]:
+    """`step` called on target-only trees, without `draft_probs`."""
+
+    def call(parents, tree_tokens, target_probs, accept_uniforms, sample_uniforms):
+        return step(
+            parents, tree_tokens, None, target_probs, accept_uniforms, sample_uniforms
+        )
+
+    return call
 
 
 def _root_to_leaf(parents: list[int]) -> list[int]:

@@ -2,13 +2,14 @@
 checks, the final draw and the output. See `docs/trees.md`."""
 
 import abc
+import functools
 from collections.abc import Callable
-from typing import TypedDict, final
+from typing import TypedDict
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from .._core._checks import check_static_int
 from .._core._failures import (
@@ -32,6 +33,8 @@ from .._inputs._random import KeyArray
 from .._pieces._sampling import AbstractBlockSumSampler, AbstractSampler, block_reader
 from .._pieces._stopping_rows import summation_lanes
 from ._siblings import AbstractSiblingRule
+from ._taken_out import draw_taken_out
+from ._walk import TreeWalk, start_walk
 
 
 class TreeOutput(TypedDict):
@@ -51,49 +54,6 @@ class TreeOutput(TypedDict):
     num_accepted: Int[Array, " batch"]
     tokens: Int[Array, "batch depth+1"]
     accepted_nodes: Int[Array, "batch depth+1"]
-
-
-@final
-class TreeWalk(eqx.Module):
-    """The state of one row's walk over its tree; when the walk ends, where it ended
-    and what it found wrong, which the final draw and the checks read."""
-
-    current: Int[Array, ""]
-    depth: Int[Array, ""]
-    # Whether `target` and `draft` hold the distributions left by rejected children
-    # (`target` unnormalised, with its mass) rather than the current node's rows.
-    updated: Bool[Array, ""]
-    target: Float[Array, " vocab"]
-    target_mass: Float[Array, ""]
-    draft: Float[Array, " vocab"]
-    path_tokens: Int[Array, " path"]
-    path_nodes: Int[Array, " path"]
-    # A bad value at a tested token, and in a whole row read at a failed test.
-    bad_target: Bool[Array, ""]
-    bad_draft: Bool[Array, ""]
-    bad_target_row: Bool[Array, ""]
-    bad_draft_row: Bool[Array, ""]
-    # Whether what a rejected child left summed past the largest float.
-    overflow: Bool[Array, ""]
-
-
-def start_walk(vocab: int, dtype: jnp.dtype, max_depth: int) -> TreeWalk:
-    """A walk at the root, before any node is visited."""
-    return TreeWalk(
-        current=jnp.zeros((), jnp.int32),
-        depth=jnp.zeros((), jnp.int32),
-        updated=jnp.array(False),
-        target=jnp.zeros((vocab,), dtype),
-        target_mass=jnp.ones((), dtype),
-        draft=jnp.zeros((vocab,), dtype),
-        path_tokens=jnp.full((max_depth + 1,), -1, jnp.int32),
-        path_nodes=jnp.full((max_depth + 1,), -1, jnp.int32),
-        bad_target=jnp.array(False),
-        bad_draft=jnp.array(False),
-        bad_target_row=jnp.array(False),
-        bad_draft_row=jnp.array(False),
-        overflow=jnp.array(False),
-    )
 
 
 class AbstractTreeStep(eqx.Module):
@@ -231,7 +191,7 @@ class AbstractTreeStep(eqx.Module):
         else:
             walks = _walk_every_tree(one_tree, batch)
         drawn, row_failures = self._draw(
-            walks, draft_probs, target_probs, sample_uniforms
+            walks, parents, tree_tokens, draft_probs, target_probs, sample_uniforms
         )
         # The path's tokens are -1 past its depth: the drawn token goes at the depth.
         at_depth = jnp.arange(max_depth + 1)[None, :] == walks.depth[:, None]
@@ -283,6 +243,8 @@ class AbstractTreeStep(eqx.Module):
     def _draw(
         self,
         walks: TreeWalk,
+        parents: Int[Array, "batch nodes"],
+        tree_tokens: Int[Array, "batch nodes"],
         draft_probs: Float[Array, "batch positions vocab"] | None,
         target_probs: Float[Array, "batch positions vocab"],
         sample_uniforms: Float[Array, " batch"],
@@ -296,15 +258,42 @@ class AbstractTreeStep(eqx.Module):
         step's row summary uses for the same inputs, so that a chain drawn as a
         tree gets the chain step's token even for a uniform on a block's edge.
         """
-        batch, _, vocab = target_probs.shape
+        batch = target_probs.shape[0]
         own_row = upcast(target_probs[jnp.arange(batch), walks.current])
-        weights = jnp.where(walks.updated[:, None], walks.target, own_row)
-        bad_row = jnp.any(not_a_probability(weights), axis=-1)
+        draw = functools.partial(
+            self._draw_from,
+            lanes=summation_lanes(target_probs, draft_probs),
+            sample_uniforms=sample_uniforms,
+        )
+        if walks.takes_out:
+            drawn, total = draw_taken_out(draw, walks, parents, tree_tokens, own_row)
+            # The walk read no row whole: the one drawn from is checked here.
+            bad_row = jnp.any(not_a_probability(own_row), axis=-1)
+        else:
+            weights = jnp.where(walks.updated[:, None], walks.target, own_row)
+            drawn, total = draw(weights)
+            bad_row = jnp.any(not_a_probability(weights), axis=-1)
+        failures = [
+            (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
+            (walks.bad_draft_row, RESULTS.bad_draft_row),
+            (walks.overflow | jnp.isinf(total), RESULTS.target_row_overflows),
+        ]
+        return drawn, failures
+
+    def _draw_from(
+        self,
+        weights: Float[Array, "batch vocab"],
+        *,
+        lanes: int,
+        sample_uniforms: Float[Array, " batch"],
+    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+        """The token the sampler draws from each row of `weights`, and the row's
+        total, summed in `lanes` lanes for a sampler that draws from block sums."""
+        vocab = weights.shape[-1]
         if isinstance(self.sampler, AbstractBlockSumSampler):
             # The draw's block sums serve the overflow check too: summing the rows
             # apart would cost two (B, V) temporaries.
             block_size = min(self.sampler.block_size, vocab)
-            lanes = summation_lanes(target_probs, draft_probs)
             block_mass = ordered_block_sums(weights, block_size, lanes)
             total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
             drawn = self.sampler.draw_from_block_sums(
@@ -314,18 +303,10 @@ class AbstractTreeStep(eqx.Module):
                 vocab,
                 sample_uniforms,
             )
-        else:
-            total = ordered_row_sums(weights, None)
-            drawn = self.sampler(weights, sample_uniforms)
-        overflows = walks.overflow | jnp.isinf(
-            total[..., 0] if total.ndim > 1 else total
-        )
-        failures = [
-            (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
-            (walks.bad_draft_row, RESULTS.bad_draft_row),
-            (overflows, RESULTS.target_row_overflows),
-        ]
-        return drawn, failures
+            return drawn, total
+        total = ordered_row_sums(weights, None)
+        drawn = self.sampler(weights, sample_uniforms)
+        return drawn, total[..., 0] if total.ndim > 1 else total
 
 
 def _walk_every_tree(

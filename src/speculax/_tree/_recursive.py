@@ -18,9 +18,11 @@ from .._core._numerics import (
 )
 from .._core._vocab_axis import ordered_row_sums
 from .._pieces._sampling import AbstractSampler, InverseCDF
-from ._abstract import AbstractTreeStep, TreeWalk, start_walk
+from ._abstract import AbstractTreeStep
 from ._rows import TreeRows
 from ._siblings import AbstractSiblingRule, IndependentSiblings
+from ._taken_out import left_at, take_out
+from ._walk import TreeWalk, start_walk
 
 
 @final
@@ -83,30 +85,45 @@ class TreeStep(AbstractTreeStep):
             return walk
 
         def test(j, token, walk: TreeWalk) -> TreeWalk:
-            walk, passed = _test_child(rows, j, token, walk)
-            return jax.lax.cond(passed, _accept, reject, j, token, walk)
+            walk, passed, target_left = _test_child(rows, parents[b], j, token, walk)
+            return jax.lax.cond(passed, accept, reject, j, token, target_left, walk)
 
-        def reject(j, token, walk: TreeWalk) -> TreeWalk:
-            del j
+        def accept(j, token, target_left, walk: TreeWalk) -> TreeWalk:
+            del target_left
+            return _accept(j, token, walk)
+
+        def reject(j, token, target_left, walk: TreeWalk) -> TreeWalk:
+            if walk.takes_out:
+                return take_out(target_left, walk)
             return _reject(self.siblings, rows, token, walk)
 
-        start = start_walk(vocab, dtype, max_depth)
+        takes_out = draft_probs is None and self.siblings.takes_out_one_hot_drafts
+        start = start_walk(vocab, dtype, max_depth, takes_out=takes_out)
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
 
 
 def _test_child(
-    rows: TreeRows, j: Int[Array, ""], token: Int[Array, ""], walk: TreeWalk
-) -> tuple[TreeWalk, Bool[Array, ""]]:
+    rows: TreeRows,
+    parents: Int[Array, " nodes"],
+    j: Int[Array, ""],
+    token: Int[Array, ""],
+    walk: TreeWalk,
+) -> tuple[TreeWalk, Bool[Array, ""], Float[Array, ""]]:
     """Tests draft node `j + 1`, a child of the current node with token `token`,
     against the current distributions: it passes when $u \\, q(c) < p(c)$. Returns
-    the walk with the checks of the values read at the token, and whether the child
-    passed."""
+    the walk with the checks of the values read at the token, whether the child
+    passed, and the current target at the token, unnormalised."""
     at = jnp.clip(token, 0, rows.vocab - 1)
     raw_target, raw_draft = rows.given_at(walk.current, at)
-    target_at = jnp.where(walk.updated, walk.target[at] / walk.target_mass, raw_target)
-    draft_at = jnp.where(
-        walk.updated & (rows.draft_probs is not None), walk.draft[at], raw_draft
-    )
+    if walk.takes_out:
+        target_left = left_at(rows, parents, j, at, raw_target, walk)
+        draft_at = raw_draft
+    else:
+        target_left = walk.target[at]
+        draft_at = jnp.where(
+            walk.updated & (rows.draft_probs is not None), walk.draft[at], raw_draft
+        )
+    target_at = jnp.where(walk.updated, target_left / walk.target_mass, raw_target)
     walk = eqx.tree_at(
         lambda w: (w.bad_target, w.bad_draft),
         walk,
@@ -115,7 +132,8 @@ def _test_child(
             walk.bad_draft | not_a_probability(raw_draft),
         ),
     )
-    return walk, rows.accept_uniforms[rows.b, j] * draft_at < target_at
+    passed = rows.accept_uniforms[rows.b, j] * draft_at < target_at
+    return walk, passed, target_left
 
 
 def _accept(j: Int[Array, ""], token: Int[Array, ""], walk: TreeWalk) -> TreeWalk:

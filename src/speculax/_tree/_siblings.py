@@ -2,11 +2,20 @@
 See `docs/trees.md`."""
 
 import abc
-from typing import final
+from typing import TYPE_CHECKING, ClassVar, final
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+
+# Pyright does not see `eqx.AbstractClassVar` as the `ClassVar` it is when type
+# checking, and reads it as an instance attribute, which a subclass's `ClassVar` may
+# not override: equinox's documented workaround (pyright issue 4965).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractSiblingRule(eqx.Module):
@@ -19,8 +28,20 @@ class AbstractSiblingRule(eqx.Module):
     $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
     depends on how the children were drawn: the rule must match the drafter.
 
+    Every rule states one class variable:
+
+    - `takes_out_one_hot_drafts`: whether, given as $q$ the one-hot of the rejected
+        token $c$ (deterministic drafts, `draft_probs=None`), the rule leaves
+        $p' = \\max(p - e_c, 0)$: $p$ with $c$ taken out. Then
+        [`speculax.TreeStep`][] does not call the rule on deterministic drafts: a
+        rejection costs it two numbers, the probability taken out and the mass left
+        (`docs/trees.md`, "Deterministic drafts"). A rule that does anything else
+        states `False`, and is called on whole rows.
+
     The concrete rules are final: to change one, wrap it in a piece of your own.
     """
+
+    takes_out_one_hot_drafts: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -56,6 +77,8 @@ class IndependentSiblings(AbstractSiblingRule):
     out: the target-only rule of SGLang and TensorRT-LLM.
     """
 
+    takes_out_one_hot_drafts: ClassVar[bool] = True
+
     def __call__(
         self,
         target: Float[Array, " vocab"],
@@ -71,8 +94,11 @@ class SiblingsWithoutReplacement(AbstractSiblingRule):
     """For children drawn from $q$ without replacement (one after another, each from
     $q$ renormalised without the ones before: Gumbel-top-k, stochastic beam search):
     $p' = \\max(p - q, 0)$ and $q'$ is $q$ without the rejected token, the recursive
-    rejection sampling of Jeon et al. (2024).
+    rejection sampling of Jeon et al. (2024). On deterministic drafts it is
+    [`speculax.IndependentSiblings`][].
     """
+
+    takes_out_one_hot_drafts: ClassVar[bool] = True
 
     def __call__(
         self,

@@ -16,9 +16,10 @@ from .._core._numerics import arithmetic_dtype, flush_subnormal
 from .._core._vocab_axis import ordered_row_sums
 from .._pieces._block import block_continuation, next_ratio
 from .._pieces._sampling import AbstractSampler, InverseCDF
-from ._abstract import AbstractTreeStep, TreeWalk, start_walk
+from ._abstract import AbstractTreeStep
 from ._rows import TreeRows
 from ._siblings import AbstractSiblingRule, IndependentSiblings
+from ._walk import TreeWalk, start_walk
 
 
 @final

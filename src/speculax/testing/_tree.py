@@ -53,15 +53,17 @@ def tree_output_distribution(
     after another without replacement; or fixed (`"deterministic"`, from
     `tree_tokens`). The target row of node $k$ is `target(prefix)`. The uniforms are
     integrated out analytically, with the step's own rule walked in float64. For a
-    [`speculax.TreeStep`][], a child $c$ tested against $(p, q)$ passes with
-    probability $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$), and a rejection
-    leaves what `step.siblings` returns, normalised, with the step's fallback to the
-    node's target row. For a [`speculax.TraversalStep`][], the nodes are tested in
-    post-order, each passing with its $\\alpha$, and a deletion updates the parent
-    through `step.siblings` as the step does. The final token's law is found by
-    calling `step.sampler` on the weights the walk ends with, as
-    [`speculax.testing.output_distribution`][] does: exactly, for a sampler that
-    draws each token on one interval of its uniform (inverse CDF over the
+    [`speculax.TreeStep`][], a child $c$ tested against $(p, q)$ passes with probability
+    $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$), and a rejection leaves what
+    `step.siblings` returns, normalised, with the step's fallback to the node's target
+    row; or, with one-hot drafts and a rule that `takes_out_one_hot_drafts`, the target
+    row with the rejected tokens taken out, divided by one less their probabilities, as
+    the step keeps it (the rule is called too, and refused if it leaves anything else).
+    For a [`speculax.TraversalStep`][], the nodes are tested in post-order, each passing
+    with its $\\alpha$, and a deletion updates the parent through `step.siblings` as the
+    step does. The final token's law is found by calling `step.sampler` on the weights
+    the walk ends with, as [`speculax.testing.output_distribution`][] does: exactly, for
+    a sampler that draws each token on one interval of its uniform (inverse CDF over the
     vocabulary in any order, lossy or not) or reads no uniform.
 
     **Arguments:**
@@ -96,13 +98,17 @@ def tree_output_distribution(
     parents = list(parents)
     used = _checked_nodes(step, parents, vocab, drafting, tree_tokens)
     num_nodes = len(parents)
+    one_hot_draft = target_only or drafting == "deterministic"
     enumeration = _Enumeration(
         children={k: [j for j in used if parents[j - 1] == k] for k in [0, *used]},
         max_depth=num_nodes if step.max_depth is None else step.max_depth,
         target=target,
         draft=draft,
         vocab=vocab,
-        one_hot_draft=target_only or drafting == "deterministic",
+        one_hot_draft=one_hot_draft,
+        takes_out=one_hot_draft
+        and isinstance(step, TreeStep)
+        and step.siblings.takes_out_one_hot_drafts,
         sibling_rule=_compiled_rule(step),
         ends=[],
         rows={},
@@ -234,6 +240,9 @@ class _Enumeration:
     vocab: int
     # Whether each child's q is its own one-hot (target-only or given tokens).
     one_hot_draft: bool
+    # Whether a rejection takes the token out of p, as `TreeStep` does for a rule
+    # that `takes_out_one_hot_drafts`, rather than calling the rule on rows.
+    takes_out: bool
     sibling_rule: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
     ends: list[tuple[tuple[int, ...], int, float]]
     rows: dict[bytes, int]
@@ -267,6 +276,7 @@ class _Enumeration:
         own = np.asarray(self.target(prefix), np.float64)
         p, q = own, np.asarray(self.draft(prefix), np.float64)
         weights = own
+        taken_out, mass = set(), 1.0
         for child in self.children[node] if depth < self.max_depth else []:
             token = tokens[child]
             if self.one_hot_draft:
@@ -277,12 +287,27 @@ class _Enumeration:
             weight *= 1 - passes
             if weight == 0:
                 return
+            if self.takes_out:
+                self.check_taking_out(p, q, token)
+                taken_out, mass = _take_out(own, token, taken_out, mass)
+                p, weights = _left_by_taking_out(own, taken_out, mass)
+                continue
             left, q = self.sibling_rule(p, q, token)
             if left.sum() == 0:
                 left = own
             weights, p = left, left / left.sum()
             q = q / q.sum() if q.sum() > 0 else q
         self.emit(prefix, weights, weight)
+
+    def check_taking_out(self, p: np.ndarray, one_hot: np.ndarray, token: int):
+        """Refuses a sibling rule that states `takes_out_one_hot_drafts` but leaves
+        anything but $\\max(p - e_c, 0)$ for the one-hot of the rejected token."""
+        left, _ = self.sibling_rule(p, one_hot, token)
+        if not np.array_equal(left, np.maximum(p - one_hot, 0)):
+            raise ValueError(
+                "step.siblings states takes_out_one_hot_drafts = True, but does not "
+                "leave max(p - q, 0) for the one-hot q of a rejected token"
+            )
 
     def traverse(
         self,
@@ -338,6 +363,26 @@ class _Enumeration:
                 key = (*prefix, int(v))
                 distribution[key] = distribution.get(key, 0.0) + weight * drawn[row, v]
         return distribution
+
+
+def _take_out(
+    own: np.ndarray, token: int, taken_out: set[int], mass: float
+) -> tuple[set[int], float]:
+    """The tokens taken out of the target row `own` and the mass left, after a
+    rejection of `token`, as `TreeStep` keeps them: a token already out takes
+    nothing more."""
+    mass -= 0.0 if token in taken_out else float(own[token])
+    return taken_out | {token}, mass
+
+
+def _left_by_taking_out(
+    own: np.ndarray, taken_out: set[int], mass: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(p, weights)` after tokens are taken out of `own`: the target the next
+    child is tested against, `own` without them divided by the mass left, and the
+    weights a final token would be drawn from (`own` where nothing is left)."""
+    left = np.where(np.isin(np.arange(own.shape[0]), list(taken_out)), 0, own)
+    return left / mass, left if np.any(left > 0) else own
 
 
 def _next_ratio(ratio: float, target_at: float, draft_at: float) -> float:
