@@ -169,6 +169,10 @@ def _steps() -> dict:
         "tree deterministic": plain(
             speculax.TreeStep(), functools.partial(_tree_inputs, draft_probs=False)
         ),
+        "greedy tree": plain(
+            speculax.greedy_tree_step(),
+            functools.partial(_tree_inputs, draft_probs=False),
+        ),
         "traversal": plain(speculax.TraversalStep(), _tree_inputs),
     }
 
@@ -182,6 +186,7 @@ STEP_NAMES = (
     "logits truncated",
     "tree",
     "tree deterministic",
+    "greedy tree",
     "traversal",
 )
 
@@ -266,17 +271,24 @@ def _loop_carries(jaxpr) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
-@pytest.mark.parametrize("draft_probs", [False, True], ids=["target only", "q"])
-def test_a_target_only_tree_walk_carries_no_vocabulary_row(strategy, draft_probs):
+@pytest.mark.parametrize(
+    "step, draft_probs",
+    [("tree", False), ("greedy tree", True), ("tree", True)],
+    ids=["target only", "greedy", "q"],
+)
+def test_a_target_only_tree_walk_carries_no_vocabulary_row(strategy, step, draft_probs):
     """With deterministic drafts a rejection takes its token out of the target row
     (`docs/trees.md`): no loop of the step carries a `(V,)` row, which a rejection
-    would rewrite. With draft probabilities the walk keeps its rows: the control
-    that the check sees a carried row."""
+    would rewrite; nor does greedy verification's, draft probabilities given or not.
+    With draft probabilities the walk keeps its rows: the control that the check
+    sees a carried row."""
     import speculax
 
     sizes = Sizes(draft=3, nodes=6, vocab=97)
     inputs = _tree_inputs(4, sizes, draft_probs=draft_probs)
+    greedy = step == "greedy tree"
+    tree_step = speculax.greedy_tree_step() if greedy else speculax.TreeStep()
     with speculax.row_strategy(strategy):
-        jaxpr = jax.make_jaxpr(lambda x: speculax.TreeStep()(**x))(inputs).jaxpr
+        jaxpr = jax.make_jaxpr(lambda x: tree_step(**x))(inputs).jaxpr
     carries_a_row = any(sizes.vocab in shape for shape in _loop_carries(jaxpr))
-    assert carries_a_row == draft_probs
+    assert carries_a_row == (step == "tree" and draft_probs)

@@ -70,7 +70,15 @@ from ._tree._abstract import (
     AbstractTreeStep as AbstractTreeStep,
     TreeOutput as TreeOutput,
 )
-from ._tree._recursive import TreeStep as TreeStep
+from ._tree._child_tests import (
+    AbstractChildTest as AbstractChildTest,
+    GreedyChildTest as GreedyChildTest,
+    RatioChildTest as RatioChildTest,
+)
+from ._tree._recursive import (
+    TreeStep as TreeStep,
+    greedy_tree_step as greedy_tree_step,
+)
 from ._tree._siblings import (
     AbstractSiblingRule as AbstractSiblingRule,
     IndependentSiblings as IndependentSiblings,

@@ -32,6 +32,11 @@ And one for trees:
     its token out of the target row. The baseline is the same step with the same
     rule called on whole rows at every rejection, as the walk did before; the floor
     reads the target rows of one root-to-leaf path per tree.
+- **greedy-tree**: `greedy_tree_step()` on the same trees, against `TreeStep()` on
+    target-only trees given the one-hot rows of the most likely tokens, made by
+    `jax.nn.one_hot` as a user would; the floor is one flat sum over all of
+    `target_probs`, whose every row greedy verification reads for its most likely
+    token.
 
 Two measure what keeping more tokens costs, against the rule it replaces as the
 baseline (a ratio below 1: the baseline is the cheaper one):
@@ -73,7 +78,7 @@ from .._chain._step import SpeculativeStep, StepOutput, block_step, greedy_step
 from .._logits._probs import probs_from_logits
 from .._logits._step import LogitsStep
 from .._tree._abstract import TreeOutput
-from .._tree._recursive import TreeStep
+from .._tree._recursive import TreeStep, greedy_tree_step
 from .._tree._siblings import AbstractSiblingRule, IndependentSiblings
 from .._tree._traversal import TraversalStep
 
@@ -128,12 +133,13 @@ VARIANTS = (
     "greedy",
     "tree",
     "deterministic-tree",
+    "greedy-tree",
     "block",
     "traversal",
     "logits",
     "truncated",
 )
-TREE_VARIANTS = ("tree", "deterministic-tree", "traversal")
+TREE_VARIANTS = ("tree", "deterministic-tree", "greedy-tree", "traversal")
 LOGITS_VARIANTS = ("logits", "truncated")
 
 
@@ -147,6 +153,7 @@ DEFAULT_SIZES = (
     Size(64, 5, 128256, variant="greedy"),
     Size(8, 60, 128256, variant="tree"),
     Size(8, 60, 128256, variant="deterministic-tree"),
+    Size(8, 60, 128256, variant="greedy-tree"),
     Size(64, 5, 128256, variant="block"),
     Size(8, 60, 128256, variant="traversal"),
     Size(64, 5, 128256, variant="logits"),
@@ -463,10 +470,13 @@ def _functions(
         if size.variant == "traversal":
             depth = len(path) - 1
             return TraversalStep(max_depth=depth), inputs, TreeStep(), inputs, path_rows
+        target_only = (*inputs[:2], *inputs[3:])
         if size.variant == "deterministic-tree":
-            target_only = (*inputs[:2], *inputs[3:])
             step, on_rows = _target_only(TreeStep()), _target_only(_ON_ROWS)
             return step, target_only, on_rows, target_only, path_rows[:1]
+        if size.variant == "greedy-tree":
+            greedy = _target_only(greedy_tree_step())
+            return greedy, target_only, _on_one_hot_rows, target_only, inputs[3:4]
         return TreeStep(), inputs, baseline_tree_step, inputs, path_rows
     if size.variant in LOGITS_VARIANTS:
         every_logit = inputs[1:3]
@@ -525,6 +535,23 @@ def _target_only(step: TreeStep) -> Callable[..., TreeOutput]:
         )
 
     return call
+
+
+def _on_one_hot_rows(
+    parents: Int[Array, "batch nodes"],
+    tree_tokens: Int[Array, "batch nodes"],
+    target_probs: Float[Array, "batch positions vocab"],
+    accept_uniforms: Float[Array, "batch nodes"],
+    sample_uniforms: Float[Array, " batch"],
+) -> TreeOutput:
+    """Greedy tree verification as one would write it without its own step:
+    `TreeStep()` on target-only trees given the one-hot rows of the most likely
+    tokens."""
+    most_likely = jnp.argmax(target_probs, axis=-1)
+    one_hot = jax.nn.one_hot(most_likely, target_probs.shape[-1], dtype=jnp.float32)
+    return TreeStep()(
+        parents, tree_tokens, None, one_hot, accept_uniforms, sample_uniforms
+    )
 
 
 def _root_to_leaf(parents: list[int]) -> list[int]:

@@ -26,7 +26,7 @@ from .._core._numerics import (
     upcast,
 )
 from .._core._row_strategy import rows_one_at_a_time
-from .._core._vocab_axis import ordered_row_sums
+from .._core._vocab_axis import first_argmax_over_vocab, ordered_row_sums
 from .._inputs._coercion import coerce_inputs, uniform_reader
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
@@ -157,9 +157,8 @@ class AbstractTreeStep(eqx.Module):
             sample_uniforms,
             parents=parents,
         )
-        # The walk reads every node's coin; the sampler may read no uniform.
         accept_uniforms, sample_uniforms = inputs.uniforms(
-            key, (type(self).__name__, uniform_reader(self.sampler))
+            key, (self._coin_reader, uniform_reader(self.sampler))
         )
         # Given parents, coerce_inputs returns them.
         assert inputs.parents is not None
@@ -168,6 +167,10 @@ class AbstractTreeStep(eqx.Module):
         batch, num_nodes = parents.shape
         max_depth = num_nodes if self.max_depth is None else self.max_depth
         vocab = target_probs.shape[-1]
+
+        most_likely = None
+        if self._reads_most_likely:
+            most_likely, _ = first_argmax_over_vocab(target_probs, None)
 
         def one_tree(b):
             return self._walk(
@@ -178,6 +181,7 @@ class AbstractTreeStep(eqx.Module):
                 draft_probs,
                 target_probs,
                 accept_uniforms,
+                most_likely,
             )
 
         if batch == 0 or num_nodes == 0:
@@ -217,6 +221,18 @@ class AbstractTreeStep(eqx.Module):
             output, result, check_values=self.check_values, throw=self.throw
         )
 
+    @property
+    @abc.abstractmethod
+    def _coin_reader(self) -> str | None:
+        """What reads `accept_uniforms`, named as an error about missing uniforms
+        names it (see `uniform_reader`); `None` where the walk reads no coin."""
+
+    @property
+    @abc.abstractmethod
+    def _reads_most_likely(self) -> bool:
+        """Whether the walk reads each target row's most likely token, found for
+        every row once, before the walks."""
+
     @abc.abstractmethod
     def _walk(
         self,
@@ -227,11 +243,13 @@ class AbstractTreeStep(eqx.Module):
         draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
         target_probs: Float[Array, "batch nodes+1 vocab"],
         accept_uniforms: Float[Array, "batch nodes"],
+        most_likely: Int[Array, "batch nodes+1"] | None,
     ) -> TreeWalk:
         """The walk over row `b`'s tree, of at least one node, reading the arrays of
         the whole batch in place. `parents` hold -1 for unused slots and are
         otherwise valid where the checks pass (what they return for bad parents is
-        discarded); nodes deeper than `max_depth` are ignored.
+        discarded); nodes deeper than `max_depth` are ignored. `most_likely` holds
+        each row's most likely target token where `_reads_most_likely`, else `None`.
 
         **Returns:**
 

@@ -17,8 +17,9 @@ from .._core._numerics import (
     flush_subnormal,
 )
 from .._core._vocab_axis import ordered_row_sums
-from .._pieces._sampling import AbstractSampler, InverseCDF
+from .._pieces._sampling import AbstractSampler, Argmax, InverseCDF
 from ._abstract import AbstractTreeStep
+from ._child_tests import AbstractChildTest, GreedyChildTest, RatioChildTest
 from ._rows import TreeRows
 from ._siblings import AbstractSiblingRule, IndependentSiblings
 from ._taken_out import left_at, take_out
@@ -44,6 +45,8 @@ class TreeStep(AbstractTreeStep):
         [`speculax.IndependentSiblings`][].
     - `sampler`: an [`speculax.AbstractSampler`][]; default
         [`speculax.InverseCDF`][].
+    - `child_test`: keyword only, an [`speculax.AbstractChildTest`][]; default
+        [`speculax.RatioChildTest`][], the test above.
     - `max_depth`: keyword only, the longest path kept, a static positive integer,
         or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
         ignored.
@@ -52,9 +55,18 @@ class TreeStep(AbstractTreeStep):
 
     siblings: AbstractSiblingRule = IndependentSiblings()
     sampler: AbstractSampler = InverseCDF()
+    child_test: AbstractChildTest = eqx.field(default=RatioChildTest(), kw_only=True)
     max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
+
+    @property
+    def _coin_reader(self) -> str | None:
+        return type(self).__name__ if self.child_test.reads_uniforms else None
+
+    @property
+    def _reads_most_likely(self) -> bool:
+        return self.child_test.reads_most_likely
 
     def _walk(
         self,
@@ -65,14 +77,23 @@ class TreeStep(AbstractTreeStep):
         draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
         target_probs: Float[Array, "batch nodes+1 vocab"],
         accept_uniforms: Float[Array, "batch nodes"],
+        most_likely: Int[Array, "batch nodes+1"] | None,
     ) -> TreeWalk:
         """The walk of row `b`: every node is visited once, in index order, and
         tested when its parent is the current node (parents come first, so the
         children of a node all follow it). Only a failed test reads whole rows."""
+        if not self.child_test.reads_draft_probs:
+            draft_probs = None
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
         rows = TreeRows(
-            b, tree_tokens, draft_probs, target_probs, accept_uniforms, dtype
+            b,
+            tree_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            dtype,
+            most_likely,
         )
 
         def visit(j, walk: TreeWalk) -> TreeWalk:
@@ -85,7 +106,9 @@ class TreeStep(AbstractTreeStep):
             return walk
 
         def test(j, token, walk: TreeWalk) -> TreeWalk:
-            walk, passed, target_left = _test_child(rows, parents[b], j, token, walk)
+            walk, passed, target_left = _test_child(
+                self.child_test, rows, parents[b], j, token, walk
+            )
             return jax.lax.cond(passed, accept, reject, j, token, target_left, walk)
 
         def accept(j, token, target_left, walk: TreeWalk) -> TreeWalk:
@@ -103,6 +126,7 @@ class TreeStep(AbstractTreeStep):
 
 
 def _test_child(
+    child_test: AbstractChildTest,
     rows: TreeRows,
     parents: Int[Array, " nodes"],
     j: Int[Array, ""],
@@ -110,9 +134,9 @@ def _test_child(
     walk: TreeWalk,
 ) -> tuple[TreeWalk, Bool[Array, ""], Float[Array, ""]]:
     """Tests draft node `j + 1`, a child of the current node with token `token`,
-    against the current distributions: it passes when $u \\, q(c) < p(c)$. Returns
-    the walk with the checks of the values read at the token, whether the child
-    passed, and the current target at the token, unnormalised."""
+    against the current distributions by `child_test`. Returns the walk with the
+    checks of the values read at the token, whether the child passed, and the
+    current target at the token, unnormalised."""
     at = jnp.clip(token, 0, rows.vocab - 1)
     raw_target, raw_draft = rows.given_at(walk.current, at)
     if walk.takes_out:
@@ -132,7 +156,12 @@ def _test_child(
             walk.bad_draft | not_a_probability(raw_draft),
         ),
     )
-    passed = rows.accept_uniforms[rows.b, j] * draft_at < target_at
+    passed = child_test(
+        target_at,
+        draft_at,
+        rows.accept_uniforms[rows.b, j],
+        rows.is_most_likely(walk.current, at),
+    )
     return walk, passed, target_left
 
 
@@ -201,4 +230,56 @@ def _reject(
             walk.bad_draft_row | (first & holds_bad_values(own_draft, axis=None)),
             walk.overflow | jnp.isinf(mass),
         ),
+    )
+
+
+def greedy_tree_step(
+    *, max_depth: int | None = None, check_values: bool = True, throw: bool = True
+) -> TreeStep:
+    """The tree step of greedy verification, what engines run at temperature 0: a
+    child passes when it is its parent's most likely target token, and the final
+    token is the most likely target token at the end of the path. No uniforms and
+    no draft probabilities are read; every target row is read once, for its most
+    likely token, and the walk reads nothing else of it but the row it ends at.
+
+    The same answers as [`speculax.TreeStep`][] with `draft_probs=None` on the
+    one-hot rows of the most likely tokens, without making them (`docs/trees.md`,
+    "Greedy trees").
+
+    **Arguments:**
+
+    - `max_depth`, `check_values`, `throw`: keyword only, as for
+        [`speculax.TreeStep`][].
+
+    **Returns:**
+
+    `TreeStep(IndependentSiblings(), Argmax(), child_test=GreedyChildTest())`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import speculax
+
+    step = speculax.greedy_tree_step()
+    # Two children of the root, tokens 1 and 2; node 2 has a child, token 0.
+    out = step(
+        parents=jnp.array([[0, 0, 2]]),
+        tree_tokens=jnp.array([[1, 2, 0]]),
+        draft_probs=None,
+        target_probs=jnp.array(
+            [[[0.1, 0.3, 0.6], [1.0, 0.0, 0.0], [0.2, 0.5, 0.3], [0.0, 0.0, 1.0]]]
+        ),
+    )
+    # 2 is the root's most likely token, 1 node 2's: the child of token 0 fails.
+    assert out["tokens"].tolist() == [[2, 1, -1, -1]]
+    ```
+    """
+    return TreeStep(
+        IndependentSiblings(),
+        Argmax(),
+        child_test=GreedyChildTest(),
+        max_depth=max_depth,
+        check_values=check_values,
+        throw=throw,
     )

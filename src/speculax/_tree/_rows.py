@@ -5,7 +5,7 @@ from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._core._numerics import upcast
 from .._core._rows import read_probs_row
@@ -23,6 +23,8 @@ class TreeRows(eqx.Module):
     target_probs: Float[Array, "batch nodes+1 vocab"]
     accept_uniforms: Float[Array, "batch nodes"]
     dtype: jnp.dtype = eqx.field(static=True)
+    # Each row's most likely target token, where the walk's test reads it.
+    most_likely: Int[Array, "batch nodes+1"] | None = None
 
     @property
     def vocab(self) -> int:
@@ -42,6 +44,15 @@ class TreeRows(eqx.Module):
         if self.draft_probs is None:
             return raw_target, jnp.ones((), self.dtype)
         return raw_target, upcast(self.draft_probs[self.b, node, token])
+
+    def is_most_likely(
+        self, node: Int[Array, ""], token: Int[Array, ""]
+    ) -> Bool[Array, ""]:
+        """Whether `token` is `node`'s most likely target token; `False` where the
+        most likely tokens were not found."""
+        if self.most_likely is None:
+            return jnp.array(False)
+        return self.most_likely[self.b, node] == token
 
     def own_rows(
         self, node: Int[Array, ""], token: Int[Array, ""]

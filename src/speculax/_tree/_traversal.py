@@ -115,6 +115,14 @@ class TraversalStep(AbstractTreeStep):
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
 
+    @property
+    def _coin_reader(self) -> str | None:
+        return type(self).__name__
+
+    @property
+    def _reads_most_likely(self) -> bool:
+        return False
+
     def _walk(
         self,
         max_depth: int,
@@ -124,6 +132,7 @@ class TraversalStep(AbstractTreeStep):
         draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
         target_probs: Float[Array, "batch nodes+1 vocab"],
         accept_uniforms: Float[Array, "batch nodes"],
+        most_likely: Int[Array, "batch nodes+1"] | None,
     ) -> TreeWalk:
         """One event per loop iteration, entering a node or testing one: at most
         two per node and one for the root. Only a failed test reads whole rows.
@@ -131,6 +140,7 @@ class TraversalStep(AbstractTreeStep):
         `_advance` enters and tests nodes until a test fails, `_delete` deletes the
         failed node and updates its parent, until a node passes; `_walk_end` reads
         where the walk ended."""
+        del most_likely
         vocab = target_probs.shape[-1]
         dtype = arithmetic_dtype(draft_probs, target_probs)
         start = start_walk(vocab, dtype, max_depth)

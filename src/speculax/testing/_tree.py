@@ -14,6 +14,7 @@ from jaxtyping import Float
 
 from .._pieces._sampling import AbstractSampler
 from .._tree._abstract import AbstractTreeStep
+from .._tree._child_tests import GreedyChildTest, RatioChildTest
 from .._tree._recursive import TreeStep
 from .._tree._traversal import TraversalStep
 from ._chain import refuse_sampler, sampler_cells
@@ -91,14 +92,19 @@ def tree_output_distribution(
     **Raises:**
 
     `ValueError` for bad parents, a missing or unneeded `tree_tokens`, more than
-    200,000 draft trees, or a sampler seen to draw a token on more than one interval
-    of its uniform or a token outside $[0, V)$; `TypeError` for a step of another
-    kind.
+    200,000 draft trees, a child test other than [`speculax.RatioChildTest`][] and
+    [`speculax.GreedyChildTest`][], or a sampler seen to draw a token on more than
+    one interval of its uniform or a token outside $[0, V)$; `TypeError` for a step
+    of another kind.
     """
     parents = list(parents)
     used = _checked_nodes(step, parents, vocab, drafting, tree_tokens)
     num_nodes = len(parents)
-    one_hot_draft = target_only or drafting == "deterministic"
+    one_hot_draft = (
+        target_only
+        or drafting == "deterministic"
+        or (isinstance(step, TreeStep) and not step.child_test.reads_draft_probs)
+    )
     enumeration = _Enumeration(
         children={k: [j for j in used if parents[j - 1] == k] for k in [0, *used]},
         max_depth=num_nodes if step.max_depth is None else step.max_depth,
@@ -109,6 +115,7 @@ def tree_output_distribution(
         takes_out=one_hot_draft
         and isinstance(step, TreeStep)
         and step.siblings.takes_out_one_hot_drafts,
+        pass_probability=_pass_law(step),
         sibling_rule=_compiled_rule(step),
         ends=[],
         rows={},
@@ -243,6 +250,9 @@ class _Enumeration:
     # Whether a rejection takes the token out of p, as `TreeStep` does for a rule
     # that `takes_out_one_hot_drafts`, rather than calling the rule on rows.
     takes_out: bool
+    # The probability that a child passes, from (p, q, the node's own target row,
+    # the child's token): the step's child test, integrated over its coin.
+    pass_probability: Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]
     sibling_rule: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
     ends: list[tuple[tuple[int, ...], int, float]]
     rows: dict[bytes, int]
@@ -281,7 +291,7 @@ class _Enumeration:
             token = tokens[child]
             if self.one_hot_draft:
                 q = np.eye(self.vocab)[token]
-            passes = _pass_probability(float(p[token]), float(q[token]))
+            passes = self.pass_probability(p, q, own, token)
             if passes > 0:
                 self.walk(child, depth + 1, (*prefix, token), tokens, weight * passes)
             weight *= 1 - passes
@@ -391,6 +401,27 @@ def _next_ratio(ratio: float, target_at: float, draft_at: float) -> float:
     if kept >= draft_at:
         return 1.0 if kept > 0 else 0.0
     return kept / draft_at
+
+
+def _pass_law(
+    step: AbstractTreeStep,
+) -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]:
+    """The probability that `step`'s child test passes a child of token `token`,
+    from the node's current $(p, q)$ and its own target row: for
+    [`speculax.RatioChildTest`][] (and the traversal, whose test is its own) that
+    $u \\, q(c) < p(c)$; for [`speculax.GreedyChildTest`][] 1 or 0. Any other test is
+    refused, as its law cannot be read from it."""
+    test = step.child_test if isinstance(step, TreeStep) else RatioChildTest()
+    if isinstance(test, RatioChildTest):
+        return lambda p, q, own, token: _pass_probability(
+            float(p[token]), float(q[token])
+        )
+    if isinstance(test, GreedyChildTest):
+        return lambda p, q, own, token: float(token == int(np.argmax(own)))
+    raise ValueError(
+        "step.child_test must be RatioChildTest or GreedyChildTest, whose laws the "
+        f"enumeration knows; got {type(test).__name__}"
+    )
 
 
 def _pass_probability(target_at: float, draft_at: float) -> float:
