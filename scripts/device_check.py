@@ -87,6 +87,9 @@ SELECTION: dict[str, tuple[str, ...]] = {
         "test_a_row_alone_equals_the_row_in_the_batch_under_both_strategies",
         "test_both_row_strategies_draw_alike_on_block_edges",
     ),
+    # Target-only trees, which take rejected tokens out, and greedy trees.
+    "tests/test_target_only_trees.py": (),
+    "tests/test_greedy_trees.py": (),
     # The all-at-once path, the accelerators' own, loops over no batch.
     "tests/test_row_strategy.py": (),
     # Verification from logits.
