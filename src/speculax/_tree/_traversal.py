@@ -97,9 +97,9 @@ class TraversalStep(AbstractTreeStep):
     stays 1, always passes. A residual without mass falls back to the node's target
     row, as in the chain step. Called as [`speculax.AbstractTreeStep.__call__`][].
 
-    The walk keeps the rows of the nodes on the current path that lost a child: two
-    `(max_depth, V)` arrays per tree in flight, so set `max_depth` to the depth of
-    the trees.
+    The walk keeps the rows of the nodes on the current path that lost a child: a
+    `(max_depth, V)` array per tree in flight (two for drafts without replacement,
+    whose draft rows change), so set `max_depth` to the depth of the trees.
 
     **Arguments:**
 
