@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import holds_bad_values, not_a_probability
 from .._core._numerics import arithmetic_dtype, flush_subnormal
+from .._core._rows import read_probs_row
 from .._core._vocab_axis import ordered_row_sums
 from .._pieces._block import block_continuation, next_ratio
 from .._pieces._sampling import AbstractSampler, InverseCDF
@@ -46,12 +47,16 @@ class _Position(eqx.Module):
 @final
 class _Left(eqx.Module):
     """What the lost children of the path's nodes left, by depth: the target
-    unnormalised, with its mass, the draft normalised; and what the rows read for
-    them showed."""
+    unnormalised, with its mass; the draft normalised, kept whole only for a sibling
+    rule that changes it (else `None`, and `draft_mass` holds the mass of the node's
+    own draft row, which normalises it); and what the rows read for them showed."""
 
     target: Float[Array, "depth vocab"]
     target_mass: Float[Array, " depth"]
-    draft: Float[Array, "depth vocab"]
+    # Where the excess had no mass: the node's own target row stands in for it.
+    fell_back: Bool[Array, " depth"]
+    draft: Float[Array, "depth vocab"] | None
+    draft_mass: Float[Array, " depth"]
     bad_target_row: Bool[Array, ""]
     bad_draft_row: Bool[Array, ""]
     overflow: Bool[Array, ""]
@@ -93,9 +98,9 @@ class TraversalStep(AbstractTreeStep):
     stays 1, always passes. A residual without mass falls back to the node's target
     row, as in the chain step. Called as [`speculax.AbstractTreeStep.__call__`][].
 
-    The walk keeps the rows of the nodes on the current path that lost a child: two
-    `(max_depth, V)` arrays per tree in flight, so set `max_depth` to the depth of
-    the trees.
+    The walk keeps the rows of the nodes on the current path that lost a child: a
+    `(max_depth, V)` array per tree in flight (two for drafts without replacement,
+    whose draft rows change), so set `max_depth` to the depth of the trees.
 
     **Arguments:**
 
@@ -158,7 +163,11 @@ class TraversalStep(AbstractTreeStep):
             return _advance(test, enter, position), left
 
         position = _at_root(links, max_depth, dtype)
-        left = _nothing_left(max_depth, vocab, dtype)
+        # A rule that keeps the draft leaves the parent's own row, normalised.
+        draft_rows = draft_probs is not None and not isinstance(
+            self.siblings, IndependentSiblings
+        )
+        left = _nothing_left(max_depth, vocab, dtype, draft_rows)
         # One deletion per iteration, the rows outside any branch and the inner
         # loop: XLA CPU copies the (max_depth, V) arrays into every branch.
         final, left = jax.lax.while_loop(
@@ -186,13 +195,18 @@ def _at_root(links: _Links, max_depth: int, dtype: jnp.dtype) -> _Position:
     )
 
 
-def _nothing_left(max_depth: int, vocab: int, dtype: jnp.dtype) -> _Left:
+def _nothing_left(
+    max_depth: int, vocab: int, dtype: jnp.dtype, draft_rows: bool
+) -> _Left:
     """What the lost children left before any is lost: nothing, `(max_depth, V)`
-    rows of zeros (of mass 1, never read)."""
+    rows of zeros (of mass 1, never read), the draft's only where `draft_rows`."""
+    zeros = jnp.zeros((max_depth, vocab), dtype)
     return _Left(
-        target=jnp.zeros((max_depth, vocab), dtype),
+        target=zeros,
         target_mass=jnp.ones((max_depth,), dtype),
-        draft=jnp.zeros((max_depth, vocab), dtype),
+        fell_back=jnp.zeros((max_depth,), bool),
+        draft=zeros if draft_rows else None,
+        draft_mass=jnp.ones((max_depth,), dtype),
         bad_target_row=jnp.array(False),
         bad_draft_row=jnp.array(False),
         overflow=jnp.array(False),
@@ -293,24 +307,35 @@ def _delete(
     parent_depth = links.depth[node] - 1
     parent = position.path[parent_depth]
     token = rows.token_of(node)
-    updated = position.updated[parent_depth]
-    own_target, own_draft, target, draft = _tested_against(
-        rows, left, parent, parent_depth, token, updated
-    )
+    first = ~position.updated[parent_depth]
+    tested = _tested_against(rows, left, parent, parent_depth, token, first)
     ratio = position.ratio[parent_depth]
-    excess, mass, ratio, draft = _what_the_failure_leaves(
-        siblings, ratio, target, draft, token, own_target
+    excess, draft = siblings(ratio * tested.target, tested.draft, token)
+    # A difference of two normal numbers can be subnormal: it counts as zero.
+    excess = flush_subnormal(excess)
+    mass = ordered_row_sums(excess, None)
+    position = _back_to_parent(
+        position, parent, parent_depth, block_continuation(mass, ratio)
     )
-    position = _back_to_parent(position, parent, parent_depth, ratio)
+    left = _record_left(rows, left, parent, parent_depth, tested, excess, mass, draft)
     position = _enter_next_sibling(
-        rows, links, position, node, parent, excess, mass, draft
-    )
-    # The node's rows as given are checked whole when it first loses a child: a bad
-    # value anywhere in them would reach the draw.
-    left = _record_left(
-        left, parent_depth, excess, mass, draft, own_target, own_draft, ~updated
+        rows, links, position, node, parent, left, parent_depth
     )
     return position, left
+
+
+@final
+class _Tested(eqx.Module):
+    """What a failed child was tested against, `(V,)` each: its parent's current
+    distributions, normalised; the mass of the parent's own draft row, and whether
+    its own rows hold a bad value, where this loss is its first (else what
+    `_Left` holds, and no bad value)."""
+
+    target: Float[Array, " vocab"]
+    draft: Float[Array, " vocab"]
+    draft_mass: Float[Array, ""]
+    bad_target: Bool[Array, ""]
+    bad_draft: Bool[Array, ""]
 
 
 def _tested_against(
@@ -319,57 +344,99 @@ def _tested_against(
     parent: Int[Array, ""],
     parent_depth: Int[Array, ""],
     token: Int[Array, ""],
-    updated: Bool[Array, ""],
-) -> tuple[
-    Float[Array, " vocab"],
-    Float[Array, " vocab"],
-    Float[Array, " vocab"],
-    Float[Array, " vocab"],
-]:
-    """The parent's rows as given, `(own_target, own_draft)`, and the normalised
-    distributions the failed child at `token` was tested against, `(target,
-    draft)`: what the parent's lost children left where it has lost one (`updated`),
-    else its own rows. Each is `(V,)`."""
-    own_target, own_draft = rows.own_rows(parent, token)
-    if rows.draft_probs is None:
-        draft = own_draft
-    else:
-        draft = jnp.where(updated, left.draft[parent_depth], own_draft)
-    target = jnp.where(
-        updated,
-        left.target[parent_depth] / left.target_mass[parent_depth],
-        own_target,
+    first: Bool[Array, ""],
+) -> _Tested:
+    """The distributions the failed child at `token` was tested against: the
+    parent's own rows at its `first` loss, checked whole then (a bad value anywhere
+    in them would reach the draw); else what its lost children left, or its own
+    target row where they left no mass. One branch of three reads only the rows it
+    needs: a row is read from memory, where the rows left are in cache."""
+    mass = left.target_mass[parent_depth]
+    draft_mass = left.draft_mass[parent_depth]
+    no_value = jnp.array(False)
+
+    def first_loss() -> _Tested:
+        own_target, own_draft = rows.own_rows(parent, token)
+        bad_draft = no_value
+        if rows.draft_probs is not None:
+            bad_draft = holds_bad_values(own_draft, axis=None)
+        return _Tested(
+            own_target,
+            own_draft,
+            ordered_row_sums(own_draft, None) if left.draft is None else draft_mass,
+            holds_bad_values(own_target, axis=None),
+            bad_draft,
+        )
+
+    def later_loss(target: Float[Array, " vocab"]) -> _Tested:
+        if rows.draft_probs is None or left.draft is None:
+            own_draft = rows.own_rows(parent, token)[1]
+            draft = _normalised(own_draft, draft_mass)
+            if rows.draft_probs is None:
+                draft = own_draft
+        else:
+            draft = left.draft[parent_depth]
+        return _Tested(target, draft, draft_mass, no_value, no_value)
+
+    branch = jnp.where(first, 0, jnp.where(left.fell_back[parent_depth], 1, 2))
+    return jax.lax.switch(
+        branch,
+        [
+            first_loss,
+            lambda: later_loss(rows.own_rows(parent, token)[0] / mass),
+            lambda: later_loss(left.target[parent_depth] / mass),
+        ],
     )
-    return own_target, own_draft, target, draft
 
 
-def _what_the_failure_leaves(
-    siblings: AbstractSiblingRule,
-    ratio: Float[Array, ""],
-    target: Float[Array, " vocab"],
+def _normalised(
+    draft: Float[Array, "*vocab"], mass: Float[Array, ""]
+) -> Float[Array, "*vocab"]:
+    """`draft` divided by its `mass`, zero where it has none: whole, or one token's
+    value of it."""
+    return jnp.where(mass > 0, draft / mass, 0)
+
+
+def _record_left(
+    rows: TreeRows,
+    left: _Left,
+    parent: Int[Array, ""],
+    parent_depth: Int[Array, ""],
+    tested: _Tested,
+    excess: Float[Array, " vocab"],
+    mass: Float[Array, ""],
     draft: Float[Array, " vocab"],
-    token: Int[Array, ""],
-    own_target: Float[Array, " vocab"],
-) -> tuple[
-    Float[Array, " vocab"], Float[Array, ""], Float[Array, ""], Float[Array, " vocab"]
-]:
-    """The sibling rule applied to $(\\alpha(u) \\, p_u, q_u)$ at the failed child's
-    `token`: `(excess, mass, ratio, draft)`, the unnormalised target it leaves (the
-    parent's own target row where it leaves no mass) with its mass, the parent's
-    updated $\\alpha$, and the draft it leaves, normalised."""
-    excess, draft = siblings(ratio * target, draft, token)
-    # A difference of two normal numbers can be subnormal: it counts as zero.
-    excess = flush_subnormal(excess)
-    mass = ordered_row_sums(excess, None)
-    ratio = block_continuation(mass, ratio)
-    excess, mass = jax.lax.cond(
-        mass == 0,
-        lambda: (own_target, ordered_row_sums(own_target, None)),
-        lambda: (excess, mass),
+) -> _Left:
+    """Stores what the deletion left at the parent's depth: the `excess` of `mass`,
+    or where it has none the mass of the parent's own target row, which stands in
+    for it; the sibling rule's `draft` normalised, or only the mass of the parent's
+    own draft row for a rule that keeps the draft; and the checks of what it read:
+    the parent's rows as given, and whether the excess summed past the largest
+    float."""
+    fallback = mass == 0
+    # The own row is read only where it stands in: a conditional returning a row
+    # would copy it.
+    mass = jax.lax.cond(
+        fallback,
+        lambda: ordered_row_sums(
+            read_probs_row(rows.target_probs, rows.b, parent), None
+        ),
+        lambda: mass,
     )
-    draft_mass = ordered_row_sums(draft, None)
-    draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
-    return excess, mass, ratio, draft
+    draft_rows = left.draft
+    if draft_rows is not None:
+        normalised = _normalised(draft, ordered_row_sums(draft, None))
+        draft_rows = draft_rows.at[parent_depth].set(normalised)
+    return _Left(
+        target=left.target.at[parent_depth].set(excess),
+        target_mass=left.target_mass.at[parent_depth].set(mass),
+        fell_back=left.fell_back.at[parent_depth].set(fallback),
+        draft=draft_rows,
+        draft_mass=left.draft_mass.at[parent_depth].set(tested.draft_mass),
+        bad_target_row=left.bad_target_row | tested.bad_target,
+        bad_draft_row=left.bad_draft_row | tested.bad_draft,
+        overflow=left.overflow | jnp.isinf(mass),
+    )
 
 
 def _back_to_parent(
@@ -400,52 +467,38 @@ def _enter_next_sibling(
     position: _Position,
     node: Int[Array, ""],
     parent: Int[Array, ""],
-    excess: Float[Array, " vocab"],
-    mass: Float[Array, ""],
-    draft: Float[Array, " vocab"],
+    left: _Left,
+    parent_depth: Int[Array, ""],
 ) -> _Position:
     """Enters the deleted `node`'s next sibling, if it has one, from the updated
-    parent: its target the normalised `excess`, its draft `draft` (the one-hot as
-    given for target-only drafts). Without one, `position` stays at the parent."""
+    parent, whose distributions are what its lost children `left` at its depth (the
+    one-hot as given for target-only drafts). Without one, `position` stays at the
+    parent."""
     sibling = links.next_sibling[node]
     sibling_token = rows.token_of(sibling)
     raw_target, raw_draft = rows.given_at(parent, sibling_token)
-    draft_at = raw_draft if rows.draft_probs is None else draft[sibling_token]
+    if rows.draft_probs is None:
+        draft_at = raw_draft
+    elif left.draft is None:
+        draft_at = _normalised(raw_draft, left.draft_mass[parent_depth])
+    else:
+        draft_at = left.draft[parent_depth, sibling_token]
+    excess_at = jnp.where(
+        left.fell_back[parent_depth],
+        raw_target,
+        left.target[parent_depth, sibling_token],
+    )
+    target_at = excess_at / left.target_mass[parent_depth]
     entered = _enter(
         links,
         eqx.tree_at(lambda p: (p.node, p.testing), position, (sibling, False)),
-        excess[sibling_token] / mass,
+        target_at,
         draft_at,
         raw_target,
         raw_draft,
     )
     return jax.tree.map(
         lambda there, here: jnp.where(sibling > 0, there, here), entered, position
-    )
-
-
-def _record_left(
-    left: _Left,
-    parent_depth: Int[Array, ""],
-    excess: Float[Array, " vocab"],
-    mass: Float[Array, ""],
-    draft: Float[Array, " vocab"],
-    own_target: Float[Array, " vocab"],
-    own_draft: Float[Array, " vocab"],
-    first: Bool[Array, ""],
-) -> _Left:
-    """Stores what the deletion left at the parent's depth, and the checks of what
-    it read: the parent's rows as given, checked whole when it first loses a child
-    (`first`), and whether the excess summed past the largest float."""
-    return _Left(
-        target=left.target.at[parent_depth].set(excess),
-        target_mass=left.target_mass.at[parent_depth].set(mass),
-        draft=left.draft.at[parent_depth].set(draft),
-        bad_target_row=left.bad_target_row
-        | (first & holds_bad_values(own_target, axis=None)),
-        bad_draft_row=left.bad_draft_row
-        | (first & holds_bad_values(own_draft, axis=None)),
-        overflow=left.overflow | jnp.isinf(mass),
     )
 
 
@@ -467,7 +520,9 @@ def _walk_end(
         on_path, rows.tree_tokens[rows.b, jnp.maximum(path_nodes - 1, 0)], -1
     )
     # A node at max_depth has no children in the walk: its rows are its own.
+    # Where the excess had no mass, its own target row.
     updated = final.updated.at[end_depth].get(mode="fill", fill_value=False)
+    updated = updated & ~left.fell_back.at[end_depth].get(mode="fill", fill_value=False)
     kept = jnp.minimum(end_depth, max_depth - 1)
     return eqx.tree_at(
         lambda w: (
