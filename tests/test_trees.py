@@ -145,6 +145,7 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
 
     class KeepTarget(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
+        keeps_the_draft = True
 
         def __call__(self, target, draft, rejected):
             return target, draft
@@ -158,6 +159,30 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
         drafting="independent",
     )
     assert error > 1e-3
+
+
+def test_the_enumeration_refuses_a_rule_that_says_it_keeps_a_draft_it_changes():
+    """The traversal reads q from the inputs for a rule that `keeps_the_draft`: one
+    that says so but changes q would be enumerated as it is not run."""
+    import speculax
+    import speculax.testing
+
+    class HalvesTheDraft(speculax.AbstractSiblingRule):
+        takes_out_one_hot_drafts = False
+        keeps_the_draft = True
+
+        def __call__(self, target, draft, rejected):
+            return jax.numpy.maximum(target - draft, 0), draft / 2
+
+    with pytest.raises(ValueError, match="states keeps_the_draft = True"):
+        speculax.testing.tree_lossless_error(
+            speculax.TraversalStep(HalvesTheDraft()),
+            SHAPES["width 3"],
+            TARGET,
+            DRAFTS["random"],
+            VOCAB,
+            drafting="independent",
+        )
 
 
 def _sample_trees(rng, parents, num_trees, drafting):

@@ -28,7 +28,7 @@ class AbstractSiblingRule(eqx.Module):
     $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
     depends on how the children were drawn: the rule must match the drafter.
 
-    Every rule states one class variable:
+    Every rule states two class variables:
 
     - `takes_out_one_hot_drafts`: whether, given as $q$ the one-hot of the rejected
         token $c$ (deterministic drafts, `draft_probs=None`), the rule leaves
@@ -37,11 +37,16 @@ class AbstractSiblingRule(eqx.Module):
         rejection costs it two numbers, the probability taken out and the mass left
         (`docs/trees.md`, "Deterministic drafts"). A rule that does anything else
         states `False`, and is called on whole rows.
+    - `keeps_the_draft`: whether the rule's $q'$ is always the $q$ it was given.
+        Then [`speculax.TraversalStep`][] keeps no `(max_depth, V)` array of draft
+        rows, and reads $q$ from the inputs. A rule whose $q'$ may differ states
+        `False`.
 
     The concrete rules are final: to change one, wrap it in a piece of your own.
     """
 
     takes_out_one_hot_drafts: AbstractClassVar[bool]
+    keeps_the_draft: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -78,6 +83,7 @@ class IndependentSiblings(AbstractSiblingRule):
     """
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
+    keeps_the_draft: ClassVar[bool] = True
 
     def __call__(
         self,
@@ -99,6 +105,7 @@ class SiblingsWithoutReplacement(AbstractSiblingRule):
     """
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
+    keeps_the_draft: ClassVar[bool] = False
 
     def __call__(
         self,

@@ -164,9 +164,7 @@ class TraversalStep(AbstractTreeStep):
 
         position = _at_root(links, max_depth, dtype)
         # A rule that keeps the draft leaves the parent's own row, normalised.
-        draft_rows = draft_probs is not None and not isinstance(
-            self.siblings, IndependentSiblings
-        )
+        draft_rows = draft_probs is not None and not self.siblings.keeps_the_draft
         left = _nothing_left(max_depth, vocab, dtype, draft_rows)
         # One deletion per iteration, the rows outside any branch and the inner
         # loop: XLA CPU copies the (max_depth, V) arrays into every branch.

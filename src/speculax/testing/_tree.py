@@ -55,17 +55,20 @@ def tree_output_distribution(
     `tree_tokens`). The target row of node $k$ is `target(prefix)`. The uniforms are
     integrated out analytically, with the step's own rule walked in float64. For a
     [`speculax.TreeStep`][], a child $c$ tested against $(p, q)$ passes with probability
-    $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$), and a rejection leaves what
-    `step.siblings` returns, normalised, with the step's fallback to the node's target
-    row; or, with one-hot drafts and a rule that `takes_out_one_hot_drafts`, the target
-    row with the rejected tokens taken out, divided by one less their probabilities, as
-    the step keeps it (the rule is called too, and refused if it leaves anything else).
-    For a [`speculax.TraversalStep`][], the nodes are tested in post-order, each passing
-    with its $\\alpha$, and a deletion updates the parent through `step.siblings` as the
-    step does. The final token's law is found by calling `step.sampler` on the weights
-    the walk ends with, as [`speculax.testing.output_distribution`][] does: exactly, for
-    a sampler that draws each token on one interval of its uniform (inverse CDF over the
-    vocabulary in any order, lossy or not) or reads no uniform.
+    $\\min(1, p(c)/q(c))$ (1 when $q(c) = 0 < p(c)$) under
+    [`speculax.RatioChildTest`][], and where it is the node's most likely token under
+    [`speculax.GreedyChildTest`][]; a rejection leaves what `step.siblings` returns,
+    normalised, with the step's fallback to the node's target row; or, with one-hot
+    drafts and a rule that `takes_out_one_hot_drafts`, the target row with the rejected
+    tokens taken out, divided by one less their probabilities, as the step keeps it (the
+    rule is called too, and refused if it leaves anything else). For a
+    [`speculax.TraversalStep`][], the nodes are tested in post-order, each passing with
+    its $\\alpha$, and a deletion updates the parent through `step.siblings` as the step
+    does (a rule that states `keeps_the_draft` but changes $q$ is refused). The final
+    token's law is found by calling `step.sampler` on the weights the walk ends with, as
+    [`speculax.testing.output_distribution`][] does: exactly, for a sampler that draws
+    each token on one interval of its uniform (inverse CDF over the vocabulary in any
+    order, lossy or not) or reads no uniform.
 
     **Arguments:**
 
@@ -115,6 +118,8 @@ def tree_output_distribution(
         takes_out=one_hot_draft
         and isinstance(step, TreeStep)
         and step.siblings.takes_out_one_hot_drafts,
+        keeps_the_draft=isinstance(step, TraversalStep)
+        and step.siblings.keeps_the_draft,
         pass_probability=_pass_law(step),
         sibling_rule=_compiled_rule(step),
         ends=[],
@@ -250,6 +255,9 @@ class _Enumeration:
     # Whether a rejection takes the token out of p, as `TreeStep` does for a rule
     # that `takes_out_one_hot_drafts`, rather than calling the rule on rows.
     takes_out: bool
+    # Whether the traversal reads q from the inputs, the rule stating that it keeps
+    # the draft: checked at every deletion.
+    keeps_the_draft: bool
     # The probability that a child passes, from (p, q, the node's own target row,
     # the child's token): the step's child test, integrated over its coin.
     pass_probability: Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]
@@ -345,7 +353,13 @@ class _Enumeration:
             alphas.pop()
             if weight == 0:
                 return 0.0
-            left, q = self.sibling_rule(alphas[-1] * p, q, token)
+            left, left_draft = self.sibling_rule(alphas[-1] * p, q, token)
+            if self.keeps_the_draft and not np.array_equal(left_draft, q):
+                raise ValueError(
+                    "step.siblings states keeps_the_draft = True, but returns a q "
+                    "other than the one it was given"
+                )
+            q = left_draft
             mass = float(left.sum())
             total = mass + (1 - alphas[-1])
             alphas[-1] = mass / total if total > 0 else 1.0
