@@ -165,3 +165,31 @@ def test_a_row_left_without_mass_draws_from_the_nodes_row():
         sample_uniforms=np.array([0.6, 0.4], np.float32),
     )
     assert out["tokens"].tolist() == [[1, -1, -1], [2, -1, -1]]
+
+
+@pytest.mark.parametrize("bad", [np.nan, -0.25, np.inf])
+@pytest.mark.parametrize("where", ["untested", "taken out"])
+def test_a_bad_value_in_the_row_drawn_from_is_named(bad, where):
+    """The walk reads no row whole, so the row the token is drawn from is checked
+    as it is drawn from: a bad value anywhere in it, at a token taken out too, names
+    `target_probs`; the other rows' outputs are untouched."""
+    import speculax
+
+    target = np.full((2, 3, 4), 0.25, np.float32)
+    # Both children of the root fail (coins of 0.9 against 0.25): row 0 draws
+    # from the root's row, tokens 0 and 1 taken out.
+    target[0, 0, 3 if where == "untested" else 0] = bad
+    inputs = dict(
+        parents=np.array([[0, 0], [0, 0]]),
+        tree_tokens=np.array([[0, 1], [0, 1]]),
+        draft_probs=None,
+        target_probs=target,
+        accept_uniforms=np.full((2, 2), 0.9, np.float32),
+        sample_uniforms=np.array([0.5, 0.5], np.float32),
+    )
+    step = speculax.TreeStep(throw=False)
+    out, result = eqx.filter_jit(step.with_result)(**inputs)
+    messages = speculax.failure_messages(result)
+    assert messages[0].startswith("target_probs must be finite"), messages
+    assert messages[1] == ""
+    assert out["tokens"].tolist()[1] == [3, -1, -1]

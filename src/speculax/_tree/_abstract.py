@@ -284,9 +284,10 @@ class AbstractTreeStep(eqx.Module):
             sample_uniforms=sample_uniforms,
         )
         if walks.takes_out:
-            drawn, total = draw_taken_out(draw, walks, parents, tree_tokens, own_row)
             # The walk read no row whole: the one drawn from is checked here.
-            bad_row = jnp.any(not_a_probability(own_row), axis=-1)
+            drawn, total, bad_row = draw_taken_out(
+                draw, walks, parents, tree_tokens, own_row
+            )
         else:
             weights = jnp.where(walks.updated[:, None], walks.target, own_row)
             drawn, total = draw(weights)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .._core._failures import not_a_probability
 from .._core._numerics import flush_subnormal
 from ._rows import TreeRows
 from ._walk import TreeWalk
@@ -56,9 +57,10 @@ def draw_taken_out(
     parents: Int[Array, "batch nodes"],
     tree_tokens: Int[Array, "batch nodes"],
     own_row: Float[Array, "batch vocab"],
-) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
-    """The final tokens, `(B,)`, and the totals of the weights drawn from, `(B,)`,
-    by `draw` (the step's sampler). A row that took tokens out draws from `own_row`
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"], Bool[Array, " batch"]]:
+    """The final tokens, `(B,)`, the totals of the weights drawn from, `(B,)`, by
+    `draw` (the step's sampler), and whether each row drawn from holds a bad value
+    (`not_a_probability`), `(B,)`. A row that took tokens out draws from `own_row`
     (the target row of the node its walk ended at) with the tokens of its
     children, every one rejected, taken out and subnormal values counting as zero;
     the others from `own_row` as given. Where nothing is left (the mass left, one
@@ -74,11 +76,15 @@ def draw_taken_out(
 
     def weights(given: Bool[Array, " batch"]) -> Float[Array, "batch vocab"]:
         left = jnp.where(taken_out, 0, flush_subnormal(own_row))
-        return jnp.where((walks.updated & ~given)[:, None], left, own_row)
+        kept = jnp.where((walks.updated & ~given)[:, None], left, own_row)
+        # A bad value anywhere in the row, a token taken out included, makes the
+        # total NaN: the check costs no pass of its own.
+        return jnp.where(not_a_probability(own_row), jnp.nan, kept)
 
     drawn, total = draw(weights(jnp.zeros((batch,), bool)))
     # A total of non-negative numbers is zero only where every one is.
     no_mass = walks.updated & (total == 0)
-    return jax.lax.cond(
+    drawn, total = jax.lax.cond(
         jnp.any(no_mass), lambda: draw(weights(no_mass)), lambda: (drawn, total)
     )
+    return drawn, total, jnp.isnan(total)
