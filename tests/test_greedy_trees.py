@@ -79,17 +79,23 @@ def test_sglangs_tree_case():
             want=([1, 2], [[0, 1, -1], [3, 4, 5]], [[11, 99], [21, 22, 23]]),
         ),
         # SGLang's JIT kernel tests: every draft accepted, then none.
-        dict(
-            candidates=[[0, 1, 2, 3], [0, 1, 2, 3]],
-            target_predict=[[1, 2, 3, 3], [1, 2, 3, 3]],
-            num_spec_step=4,
-            want=([3, 3], [[0, 1, 2, 3], [4, 5, 6, 7]], [[1, 2, 3, 3]] * 2),
+        pytest.param(
+            dict(
+                candidates=[[0, 1, 2, 3], [0, 1, 2, 3]],
+                target_predict=[[1, 2, 3, 3], [1, 2, 3, 3]],
+                num_spec_step=4,
+                want=([3, 3], [[0, 1, 2, 3], [4, 5, 6, 7]], [[1, 2, 3, 3]] * 2),
+            ),
+            marks=pytest.mark.slow,
         ),
-        dict(
-            candidates=[[0, 1, 2, 3], [0, 1, 2, 3]],
-            target_predict=[[0, 0, 0, 0], [0, 0, 0, 0]],
-            num_spec_step=4,
-            want=([0, 0], [[0, -1, -1, -1], [4, -1, -1, -1]], [[0], [0]]),
+        pytest.param(
+            dict(
+                candidates=[[0, 1, 2, 3], [0, 1, 2, 3]],
+                target_predict=[[0, 0, 0, 0], [0, 0, 0, 0]],
+                num_spec_step=4,
+                want=([0, 0], [[0, -1, -1, -1], [4, -1, -1, -1]], [[0], [0]]),
+            ),
+            marks=pytest.mark.slow,
         ),
         # sglang-jax's fused chain verification: 0 to 3 drafts kept.
         dict(
@@ -115,6 +121,8 @@ def test_sglangs_tree_case():
     ],
     ids=["sglang cpu chain", "accept all", "accept none", "sglang-jax chain"],
 )
+# Each case is a new shape, compiled anew: one from each suite runs in the default
+# tier, SGLang's JIT kernel cases in the extended tier.
 def test_sglangs_chain_cases(case):
     batch, positions = np.shape(case["candidates"])
     chain = [[*range(1, positions), -1]] * batch
