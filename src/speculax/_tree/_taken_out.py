@@ -39,7 +39,7 @@ def take_out(target_left_at: Float[Array, ""], walk: TreeWalk) -> TreeWalk:
     """Takes the token of a child that failed its test out of the current node's
     target row: the mass left loses `target_left_at`, the row's value there
     (`left_at`). What is left keeps some mass: a child fails only where
-    $p(c) / m \\le u < 1$, so only a value $p(c)$ below the mass left $m$."""
+    $p(c) / m \\le u < 1$, that is where $p(c)$ is below the mass left $m$."""
     mass = jnp.where(walk.updated, walk.target_mass, 1) - target_left_at
     return eqx.tree_at(
         lambda w: (w.updated, w.target_mass),
