@@ -260,35 +260,49 @@ def test_the_strategy_is_checked_and_caches_clear_only_on_a_change(monkeypatch):
 
 def _loop_carries(jaxpr) -> list[tuple[int, ...]]:
     """The shapes of what every loop of `jaxpr` carries from one iteration to the
-    next, nested loops included."""
+    next, nested loops included (not what a scan stacks)."""
     shapes = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("while", "scan"):
+        if eqn.primitive.name == "while":
             shapes += [tuple(var.aval.shape) for var in eqn.outvars]
+        if eqn.primitive.name == "scan":
+            carried = eqn.outvars[: eqn.params["num_carry"]]
+            shapes += [tuple(var.aval.shape) for var in carried]
         for sub in _sub_jaxprs(eqn):
             shapes += _loop_carries(sub)
     return shapes
 
 
+WALKS_THAT_KEEP_ROWS = ("tree, q", "traversal without replacement")
+
+
 @pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
 @pytest.mark.parametrize(
-    "step, draft_probs",
-    [("tree", False), ("greedy tree", True), ("tree", True)],
-    ids=["target only", "greedy", "q"],
+    "step",
+    ["tree, target only", "greedy tree", "traversal", *WALKS_THAT_KEEP_ROWS],
 )
-def test_a_target_only_tree_walk_carries_no_vocabulary_row(strategy, step, draft_probs):
+def test_tree_walks_that_keep_numbers_carry_no_vocabulary_row(strategy, step):
     """With deterministic drafts a rejection takes its token out of the target row
-    (`docs/trees.md`): no loop of the step carries a `(V,)` row, which a rejection
-    would rewrite; nor does greedy verification's, draft probabilities given or not.
-    With draft probabilities the walk keeps its rows: the control that the check
+    (`docs/trees.md`), and a traversal deletion with independent siblings keeps two
+    numbers (`docs/keeping_more.md`): no loop of the step carries a `(V,)` row,
+    which a rejection would rewrite; nor does greedy verification's, draft
+    probabilities given. The recursive step with draft probabilities and the
+    traversal without replacement keep their rows: the controls that the check
     sees a carried row."""
     import speculax
 
     sizes = Sizes(draft=3, nodes=6, vocab=97)
-    inputs = _tree_inputs(4, sizes, draft_probs=draft_probs)
-    greedy = step == "greedy tree"
-    tree_step = speculax.greedy_tree_step() if greedy else speculax.TreeStep()
+    inputs = _tree_inputs(4, sizes, draft_probs=step != "tree, target only")
+    tree_step = {
+        "tree, target only": speculax.TreeStep(),
+        "tree, q": speculax.TreeStep(),
+        "greedy tree": speculax.greedy_tree_step(),
+        "traversal": speculax.TraversalStep(),
+        "traversal without replacement": speculax.TraversalStep(
+            speculax.SiblingsWithoutReplacement()
+        ),
+    }[step]
     with speculax.row_strategy(strategy):
         jaxpr = jax.make_jaxpr(lambda x: tree_step(**x))(inputs).jaxpr
     carries_a_row = any(sizes.vocab in shape for shape in _loop_carries(jaxpr))
-    assert carries_a_row == (step == "tree" and draft_probs)
+    assert carries_a_row == (step in WALKS_THAT_KEEP_ROWS)

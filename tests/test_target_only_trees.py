@@ -47,7 +47,7 @@ def test_taking_tokens_out_agrees_with_the_rule_on_rows(dtype):
         """`IndependentSiblings` called on whole rows."""
 
         takes_out_one_hot_drafts = False
-        keeps_the_draft = True
+        subtracts_a_kept_draft = True
 
         def __call__(self, target, draft, rejected):
             return speculax.IndependentSiblings()(target, draft, rejected)
@@ -127,7 +127,7 @@ def test_the_enumeration_refuses_a_rule_that_misstates_taking_out():
 
     class KeepsTarget(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = True
-        keeps_the_draft = True
+        subtracts_a_kept_draft = False
 
         def __call__(self, target, draft, rejected):
             return target, draft

@@ -145,7 +145,7 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
 
     class KeepTarget(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
-        keeps_the_draft = True
+        subtracts_a_kept_draft = False
 
         def __call__(self, target, draft, rejected):
             return target, draft
@@ -161,22 +161,28 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
     assert error > 1e-3
 
 
-def test_the_enumeration_refuses_a_rule_that_says_it_keeps_a_draft_it_changes():
-    """The traversal reads q from the inputs for a rule that `keeps_the_draft`: one
-    that says so but changes q would be enumerated as it is not run."""
+@pytest.mark.parametrize("leaves", ["half the draft", "the target"])
+def test_the_enumeration_refuses_a_rule_that_misstates_subtracting_a_kept_draft(
+    leaves,
+):
+    """The traversal keeps two numbers per node for a rule that
+    `subtracts_a_kept_draft`, and reads the rows from the inputs: one that says so
+    but leaves another q, or another p, would be enumerated as it is not run."""
     import speculax
     import speculax.testing
 
-    class HalvesTheDraft(speculax.AbstractSiblingRule):
+    class Misstated(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
-        keeps_the_draft = True
+        subtracts_a_kept_draft = True
 
         def __call__(self, target, draft, rejected):
+            if leaves == "the target":
+                return target, draft
             return jax.numpy.maximum(target - draft, 0), draft / 2
 
-    with pytest.raises(ValueError, match="states keeps_the_draft = True"):
+    with pytest.raises(ValueError, match="states subtracts_a_kept_draft = True"):
         speculax.testing.tree_lossless_error(
-            speculax.TraversalStep(HalvesTheDraft()),
+            speculax.TraversalStep(Misstated()),
             SHAPES["width 3"],
             TARGET,
             DRAFTS["random"],

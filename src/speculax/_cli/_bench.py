@@ -513,7 +513,7 @@ class _SiblingsOnRows(AbstractSiblingRule):
     deterministic drafts included: the target-only walk before it took tokens out."""
 
     takes_out_one_hot_drafts: ClassVar[bool] = False
-    keeps_the_draft: ClassVar[bool] = True
+    subtracts_a_kept_draft: ClassVar[bool] = True
 
     def __call__(
         self,

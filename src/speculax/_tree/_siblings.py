@@ -37,16 +37,19 @@ class AbstractSiblingRule(eqx.Module):
         rejection costs it two numbers, the probability taken out and the mass left
         (`docs/trees.md`, "Deterministic drafts"). A rule that does anything else
         states `False`, and is called on whole rows.
-    - `keeps_the_draft`: whether the rule's $q'$ is always the $q$ it was given.
-        Then [`speculax.TraversalStep`][] keeps no `(max_depth, V)` array of draft
-        rows, and reads $q$ from the inputs. A rule whose $q'$ may differ states
-        `False`.
+    - `subtracts_a_kept_draft`: whether the rule is $p' = \\max(p - q, 0)$ with
+        $q' = q$, always. Then [`speculax.TraversalStep`][] keeps no
+        `(max_depth, V)` array on stochastic drafts: after $k$ rejections a node's
+        target is $\\max(a_k \\, p - b_k \\, q, 0)$ of its own rows, two numbers
+        per node (`docs/keeping_more.md`, "What it costs"). A rule that
+        does anything else states `False`, and the traversal keeps rows for it
+        (two, if its $q'$ is not $q$).
 
     The concrete rules are final: to change one, wrap it in a piece of your own.
     """
 
     takes_out_one_hot_drafts: AbstractClassVar[bool]
-    keeps_the_draft: AbstractClassVar[bool]
+    subtracts_a_kept_draft: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -83,7 +86,7 @@ class IndependentSiblings(AbstractSiblingRule):
     """
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
-    keeps_the_draft: ClassVar[bool] = True
+    subtracts_a_kept_draft: ClassVar[bool] = True
 
     def __call__(
         self,
@@ -105,7 +108,7 @@ class SiblingsWithoutReplacement(AbstractSiblingRule):
     """
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
-    keeps_the_draft: ClassVar[bool] = False
+    subtracts_a_kept_draft: ClassVar[bool] = False
 
     def __call__(
         self,

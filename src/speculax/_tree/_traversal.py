@@ -46,17 +46,22 @@ class _Position(eqx.Module):
 
 @final
 class _Left(eqx.Module):
-    """What the lost children of the path's nodes left, by depth: the target
-    unnormalised, with its mass; the draft normalised, kept whole only for a sibling
-    rule that changes it (else `None`, and `draft_mass` holds the mass of the node's
-    own draft row, which normalises it); and what the rows read for them showed."""
+    """What the lost children of the path's nodes left, by depth, in one of two
+    forms. As rows: the target unnormalised, with its mass, and the draft
+    normalised, kept only for a sibling rule that changes it (else `None`). As two
+    numbers, for a rule that subtracts a kept draft on stochastic drafts
+    (`target` and `draft` are `None`): the target left is
+    $\\max(a \\, p - b \\, q, 0)$ of the node's own rows as given, with `scale`
+    $a$ and `draft_weight` $b$, its mass in `target_mass`. Then what the rows read
+    for them showed."""
 
-    target: Float[Array, "depth vocab"]
+    target: Float[Array, "depth vocab"] | None
     target_mass: Float[Array, " depth"]
     # Where the excess had no mass: the node's own target row stands in for it.
     fell_back: Bool[Array, " depth"]
     draft: Float[Array, "depth vocab"] | None
-    draft_mass: Float[Array, " depth"]
+    scale: Float[Array, " depth"]
+    draft_weight: Float[Array, " depth"]
     bad_target_row: Bool[Array, ""]
     bad_draft_row: Bool[Array, ""]
     overflow: Bool[Array, ""]
@@ -98,7 +103,13 @@ class TraversalStep(AbstractTreeStep):
     stays 1, always passes. A residual without mass falls back to the node's target
     row, as in the chain step. Called as [`speculax.AbstractTreeStep.__call__`][].
 
-    The walk keeps the rows of the nodes on the current path that lost a child: a
+    The walk keeps what the lost children of the nodes on the current path left.
+    For a rule that subtracts a draft it keeps ([`speculax.IndependentSiblings`][])
+    on stochastic drafts, that is two numbers per depth: a node that lost $k$
+    children has the target $\\max(a_k \\, p_u - b_k \\, q_u, 0)$ of its own rows,
+    by $\\max(c \\max(x, 0) - y, 0) = \\max(c x - y, 0)$ for $c, y \\ge 0$, so a
+    deletion is one pass over the node's two rows, and none under a node whose
+    $\\alpha$ is 0, which is never kept, nor is anything below it. Otherwise it is a
     `(max_depth, V)` array per tree in flight (two for drafts without replacement,
     whose draft rows change), so set `max_depth` to the depth of the trees.
 
@@ -163,9 +174,14 @@ class TraversalStep(AbstractTreeStep):
             return _advance(test, enter, position), left
 
         position = _at_root(links, max_depth, dtype)
-        # A rule that keeps the draft leaves the parent's own row, normalised.
-        draft_rows = draft_probs is not None and not self.siblings.keeps_the_draft
-        left = _nothing_left(max_depth, vocab, dtype, draft_rows)
+        by_numbers = draft_probs is not None and self.siblings.subtracts_a_kept_draft
+        left = _nothing_left(
+            max_depth,
+            vocab,
+            dtype,
+            target_rows=not by_numbers,
+            draft_rows=draft_probs is not None and not by_numbers,
+        )
         # One deletion per iteration, the rows outside any branch and the inner
         # loop: XLA CPU copies the (max_depth, V) arrays into every branch.
         final, left = jax.lax.while_loop(
@@ -194,17 +210,21 @@ def _at_root(links: _Links, max_depth: int, dtype: jnp.dtype) -> _Position:
 
 
 def _nothing_left(
-    max_depth: int, vocab: int, dtype: jnp.dtype, draft_rows: bool
+    max_depth: int, vocab: int, dtype: jnp.dtype, *, target_rows: bool, draft_rows: bool
 ) -> _Left:
     """What the lost children left before any is lost: nothing, `(max_depth, V)`
-    rows of zeros (of mass 1, never read), the draft's only where `draft_rows`."""
+    rows of zeros (of mass 1, never read) where `target_rows` and `draft_rows`
+    ask for them, and the two numbers that give a node's own target row
+    ($a = 1$, $b = 0$)."""
     zeros = jnp.zeros((max_depth, vocab), dtype)
+    ones = jnp.ones((max_depth,), dtype)
     return _Left(
-        target=zeros,
-        target_mass=jnp.ones((max_depth,), dtype),
+        target=zeros if target_rows else None,
+        target_mass=ones,
         fell_back=jnp.zeros((max_depth,), bool),
         draft=zeros if draft_rows else None,
-        draft_mass=jnp.ones((max_depth,), dtype),
+        scale=ones,
+        draft_weight=jnp.zeros((max_depth,), dtype),
         bad_target_row=jnp.array(False),
         bad_draft_row=jnp.array(False),
         overflow=jnp.array(False),
@@ -304,34 +324,54 @@ def _delete(
     node = position.node
     parent_depth = links.depth[node] - 1
     parent = position.path[parent_depth]
-    token = rows.token_of(node)
     first = ~position.updated[parent_depth]
-    tested = _tested_against(rows, left, parent, parent_depth, token, first)
     ratio = position.ratio[parent_depth]
-    excess, draft = siblings(ratio * tested.target, tested.draft, token)
-    # A difference of two normal numbers can be subnormal: it counts as zero.
-    excess = flush_subnormal(excess)
-    mass = ordered_row_sums(excess, None)
+    if left.target is None:
+        mass, left = _subtract_the_draft(rows, left, parent, parent_depth, ratio, first)
+    else:
+        token = rows.token_of(node)
+        mass, left = _apply_the_rule(
+            rows, left, siblings, parent, parent_depth, token, ratio, first
+        )
     position = _back_to_parent(
         position, parent, parent_depth, block_continuation(mass, ratio)
     )
-    left = _record_left(rows, left, parent, parent_depth, tested, excess, mass, draft)
     position = _enter_next_sibling(
         rows, links, position, node, parent, left, parent_depth
     )
     return position, left
 
 
+def _apply_the_rule(
+    rows: TreeRows,
+    left: _Left,
+    siblings: AbstractSiblingRule,
+    parent: Int[Array, ""],
+    parent_depth: Int[Array, ""],
+    token: Int[Array, ""],
+    ratio: Float[Array, ""],
+    first: Bool[Array, ""],
+) -> tuple[Float[Array, ""], _Left]:
+    """The deletion of the child at `token` where `left` keeps rows: the sibling
+    rule applied to the parent's current distributions, the target scaled by its
+    $\\alpha$ `ratio`; returns the excess's mass and `left` updated."""
+    tested = _tested_against(rows, left, parent, parent_depth, token, first)
+    excess, draft = siblings(ratio * tested.target, tested.draft, token)
+    # A difference of two normal numbers can be subnormal: it counts as zero.
+    excess = flush_subnormal(excess)
+    mass = ordered_row_sums(excess, None)
+    left = _record_left(rows, left, parent, parent_depth, tested, excess, mass, draft)
+    return mass, left
+
+
 @final
 class _Tested(eqx.Module):
     """What a failed child was tested against, `(V,)` each: its parent's current
-    distributions, normalised; the mass of the parent's own draft row, and whether
-    its own rows hold a bad value, where this loss is its first (else what
-    `_Left` holds, and no bad value)."""
+    distributions, normalised, and whether its own rows hold a bad value, where
+    this loss is its first (else what `_Left` holds, and no bad value)."""
 
     target: Float[Array, " vocab"]
     draft: Float[Array, " vocab"]
-    draft_mass: Float[Array, ""]
     bad_target: Bool[Array, ""]
     bad_draft: Bool[Array, ""]
 
@@ -344,13 +384,14 @@ def _tested_against(
     token: Int[Array, ""],
     first: Bool[Array, ""],
 ) -> _Tested:
-    """The distributions the failed child at `token` was tested against: the
-    parent's own rows at its `first` loss, checked whole then (a bad value anywhere
-    in them would reach the draw); else what its lost children left, or its own
-    target row where they left no mass. One branch of three reads only the rows it
-    needs: a row is read from memory, where the rows left are in cache."""
+    """The distributions the failed child at `token` was tested against, where
+    `left` keeps rows: the parent's own rows at its `first` loss, checked whole
+    then (a bad value anywhere in them would reach the draw); else what its lost
+    children left, or its own target row where they left no mass. One branch of
+    three reads only the rows it needs: a row is read from memory, where the rows
+    left are in cache."""
+    assert left.target is not None
     mass = left.target_mass[parent_depth]
-    draft_mass = left.draft_mass[parent_depth]
     no_value = jnp.array(False)
 
     def first_loss() -> _Tested:
@@ -359,40 +400,27 @@ def _tested_against(
         if rows.draft_probs is not None:
             bad_draft = holds_bad_values(own_draft, axis=None)
         return _Tested(
-            own_target,
-            own_draft,
-            ordered_row_sums(own_draft, None) if left.draft is None else draft_mass,
-            holds_bad_values(own_target, axis=None),
-            bad_draft,
+            own_target, own_draft, holds_bad_values(own_target, axis=None), bad_draft
         )
 
     def later_loss(target: Float[Array, " vocab"]) -> _Tested:
-        if rows.draft_probs is None or left.draft is None:
-            own_draft = rows.own_rows(parent, token)[1]
-            draft = _normalised(own_draft, draft_mass)
-            if rows.draft_probs is None:
-                draft = own_draft
+        if left.draft is None:
+            # Deterministic drafts: the one-hot of the rejected token.
+            draft = rows.own_rows(parent, token)[1]
         else:
             draft = left.draft[parent_depth]
-        return _Tested(target, draft, draft_mass, no_value, no_value)
+        return _Tested(target, draft, no_value, no_value)
 
+    target_left = left.target
     branch = jnp.where(first, 0, jnp.where(left.fell_back[parent_depth], 1, 2))
     return jax.lax.switch(
         branch,
         [
             first_loss,
             lambda: later_loss(rows.own_rows(parent, token)[0] / mass),
-            lambda: later_loss(left.target[parent_depth] / mass),
+            lambda: later_loss(target_left[parent_depth] / mass),
         ],
     )
-
-
-def _normalised(
-    draft: Float[Array, "*vocab"], mass: Float[Array, ""]
-) -> Float[Array, "*vocab"]:
-    """`draft` divided by its `mass`, zero where it has none: whole, or one token's
-    value of it."""
-    return jnp.where(mass > 0, draft / mass, 0)
 
 
 def _record_left(
@@ -405,36 +433,146 @@ def _record_left(
     mass: Float[Array, ""],
     draft: Float[Array, " vocab"],
 ) -> _Left:
-    """Stores what the deletion left at the parent's depth: the `excess` of `mass`,
-    or where it has none the mass of the parent's own target row, which stands in
-    for it; the sibling rule's `draft` normalised, or only the mass of the parent's
-    own draft row for a rule that keeps the draft; and the checks of what it read:
-    the parent's rows as given, and whether the excess summed past the largest
-    float."""
+    """Stores, as rows, what the deletion left at the parent's depth: the `excess`
+    of `mass` (`_mass_kept`); the sibling rule's `draft` normalised, for a rule that
+    changes it; and the checks of what it read: the parent's rows as given, and
+    whether the excess summed past the largest float."""
+    assert left.target is not None
+    draft_rows = left.draft
+    if draft_rows is not None:
+        draft_mass = ordered_row_sums(draft, None)
+        normalised = jnp.where(draft_mass > 0, draft / draft_mass, 0)
+        draft_rows = draft_rows.at[parent_depth].set(normalised)
+    kept_mass, fell_back = _mass_kept(rows, parent, mass)
+    return eqx.tree_at(
+        lambda x: (
+            x.target,
+            x.target_mass,
+            x.fell_back,
+            x.draft,
+            x.bad_target_row,
+            x.bad_draft_row,
+            x.overflow,
+        ),
+        left,
+        (
+            left.target.at[parent_depth].set(excess),
+            left.target_mass.at[parent_depth].set(kept_mass),
+            left.fell_back.at[parent_depth].set(fell_back),
+            draft_rows,
+            left.bad_target_row | tested.bad_target,
+            left.bad_draft_row | tested.bad_draft,
+            left.overflow | jnp.isinf(mass),
+        ),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _mass_kept(
+    rows: TreeRows, parent: Int[Array, ""], mass: Float[Array, ""]
+) -> tuple[Float[Array, ""], Bool[Array, ""]]:
+    """The mass to keep for a deletion whose excess has `mass`: that mass, or where
+    it has none the mass of the parent's own target row, which stands in for it;
+    and whether it fell back so."""
     fallback = mass == 0
     # The own row is read only where it stands in: a conditional returning a row
     # would copy it.
-    mass = jax.lax.cond(
+    kept = jax.lax.cond(
         fallback,
         lambda: ordered_row_sums(
             read_probs_row(rows.target_probs, rows.b, parent), None
         ),
         lambda: mass,
     )
-    draft_rows = left.draft
-    if draft_rows is not None:
-        normalised = _normalised(draft, ordered_row_sums(draft, None))
-        draft_rows = draft_rows.at[parent_depth].set(normalised)
-    return _Left(
-        target=left.target.at[parent_depth].set(excess),
-        target_mass=left.target_mass.at[parent_depth].set(mass),
-        fell_back=left.fell_back.at[parent_depth].set(fallback),
-        draft=draft_rows,
-        draft_mass=left.draft_mass.at[parent_depth].set(tested.draft_mass),
-        bad_target_row=left.bad_target_row | tested.bad_target,
-        bad_draft_row=left.bad_draft_row | tested.bad_draft,
-        overflow=left.overflow | jnp.isinf(mass),
+    return kept, fallback
+
+
+def _excess(
+    scale: Float[Array, ""],
+    draft_weight: Float[Array, ""],
+    target: Float[Array, "*vocab"],
+    draft: Float[Array, "*vocab"],
+) -> Float[Array, "*vocab"]:
+    """$\\max(a \\, p - b \\, q, 0)$ of a node's own rows as given, whole or at
+    one token, a subnormal value counted as zero (a difference of two normal
+    numbers can be subnormal): what its lost children left, as `_Left` keeps it in
+    two numbers."""
+    return flush_subnormal(jnp.maximum(scale * target - draft_weight * draft, 0))
+
+
+def _subtract_the_draft(
+    rows: TreeRows,
+    left: _Left,
+    parent: Int[Array, ""],
+    parent_depth: Int[Array, ""],
+    ratio: Float[Array, ""],
+    first: Bool[Array, ""],
+) -> tuple[Float[Array, ""], _Left]:
+    """The deletion of a rule that subtracts a kept draft, in two numbers: where the
+    parent's target is $\\max(a p - b q, 0) / m$ of its own rows (at its `first`
+    loss, $p$ as given: $a = 1$, $b = 0$, $m = 1$), what the failed child leaves is
+    $\\max(\\alpha a / m \\; p - (\\alpha b / m + 1) \\, q, 0)$, the draft
+    read as given, as the chain step's block verification reads it. One pass over
+    the two rows, or none where $\\alpha = 0$; returns the excess's mass and
+    `left` updated."""
+    step = ratio / jnp.where(first, 1, left.target_mass[parent_depth])
+    scale = step * jnp.where(first, 1, left.scale[parent_depth])
+    draft_weight = step * jnp.where(first, 0, left.draft_weight[parent_depth]) + 1
+    zero = jnp.zeros((), jnp.int32)
+    no_value = jnp.array(False)
+
+    def read_rows():
+        own_target, own_draft = rows.own_rows(parent, zero)
+        excess = _excess(scale, draft_weight, own_target, own_draft)
+        # A bad value in either row makes the mass NaN, so that the rows are
+        # checked in the same pass, and told apart only where one is bad.
+        bad = not_a_probability(own_target) | not_a_probability(own_draft)
+        mass = ordered_row_sums(jnp.where(bad, jnp.nan, excess), None)
+        bad_target, bad_draft = jax.lax.cond(
+            jnp.isnan(mass),
+            lambda: (
+                holds_bad_values(rows.own_rows(parent, zero)[0], None),
+                holds_bad_values(rows.own_rows(parent, zero)[1], None),
+            ),
+            lambda: (no_value, no_value),
+        )
+        return (mass, *_mass_kept(rows, parent, mass), bad_target, bad_draft)
+
+    def read_nothing():
+        # A node whose alpha is 0 never passes, and every alpha under it is 0
+        # whatever its rows say: the excess is 0, and its rows are never drawn
+        # from, so the deletion reads nothing. (The root's alpha is never 0.)
+        nothing, one = jnp.zeros((), rows.dtype), jnp.ones((), rows.dtype)
+        return nothing, one, jnp.array(True), no_value, no_value
+
+    mass, kept_mass, fell_back, bad_target, bad_draft = jax.lax.cond(
+        ratio > 0, read_rows, read_nothing
     )
+    # Where the parent's own target stands in: a = 1, b = 0.
+    scale = jnp.where(fell_back, 1, scale)
+    draft_weight = jnp.where(fell_back, 0, draft_weight)
+    left = eqx.tree_at(
+        lambda x: (
+            x.target_mass,
+            x.fell_back,
+            x.scale,
+            x.draft_weight,
+            x.bad_target_row,
+            x.bad_draft_row,
+            x.overflow,
+        ),
+        left,
+        (
+            left.target_mass.at[parent_depth].set(kept_mass),
+            left.fell_back.at[parent_depth].set(fell_back),
+            left.scale.at[parent_depth].set(scale),
+            left.draft_weight.at[parent_depth].set(draft_weight),
+            left.bad_target_row | bad_target,
+            left.bad_draft_row | bad_draft,
+            left.overflow | jnp.isinf(mass),
+        ),
+    )
+    return mass, left
 
 
 def _back_to_parent(
@@ -475,17 +613,17 @@ def _enter_next_sibling(
     sibling = links.next_sibling[node]
     sibling_token = rows.token_of(sibling)
     raw_target, raw_draft = rows.given_at(parent, sibling_token)
-    if rows.draft_probs is None:
+    if left.target is None:
+        scale = left.scale[parent_depth]
+        draft_weight = left.draft_weight[parent_depth]
+        excess_at = _excess(scale, draft_weight, raw_target, raw_draft)
         draft_at = raw_draft
-    elif left.draft is None:
-        draft_at = _normalised(raw_draft, left.draft_mass[parent_depth])
     else:
-        draft_at = left.draft[parent_depth, sibling_token]
-    excess_at = jnp.where(
-        left.fell_back[parent_depth],
-        raw_target,
-        left.target[parent_depth, sibling_token],
-    )
+        excess_at = left.target[parent_depth, sibling_token]
+        draft_at = raw_draft
+        if left.draft is not None:
+            draft_at = left.draft[parent_depth, sibling_token]
+    excess_at = jnp.where(left.fell_back[parent_depth], raw_target, excess_at)
     target_at = excess_at / left.target_mass[parent_depth]
     entered = _enter(
         links,
@@ -522,6 +660,12 @@ def _walk_end(
     updated = final.updated.at[end_depth].get(mode="fill", fill_value=False)
     updated = updated & ~left.fell_back.at[end_depth].get(mode="fill", fill_value=False)
     kept = jnp.minimum(end_depth, max_depth - 1)
+    if left.target is None:
+        own_target, own_draft = rows.own_rows(end, jnp.zeros((), jnp.int32))
+        scale, draft_weight = left.scale[kept], left.draft_weight[kept]
+        target = _excess(scale, draft_weight, own_target, own_draft)
+    else:
+        target = left.target[kept]
     return eqx.tree_at(
         lambda w: (
             w.current,
@@ -542,7 +686,7 @@ def _walk_end(
             end,
             end_depth,
             updated,
-            left.target[kept],
+            target,
             left.target_mass[kept],
             path_tokens.astype(jnp.int32),
             path_nodes,

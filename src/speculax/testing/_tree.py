@@ -64,7 +64,8 @@ def tree_output_distribution(
     rule is called too, and refused if it leaves anything else). For a
     [`speculax.TraversalStep`][], the nodes are tested in post-order, each passing with
     its $\\alpha$, and a deletion updates the parent through `step.siblings` as the step
-    does (a rule that states `keeps_the_draft` but changes $q$ is refused). The final
+    does (a rule that states `subtracts_a_kept_draft` but returns anything but
+    $\\max(p - q, 0)$ and $q$ is refused: the step keeps two numbers for it). The final
     token's law is found by calling `step.sampler` on the weights the walk ends with, as
     [`speculax.testing.output_distribution`][] does: exactly, for a sampler that draws
     each token on one interval of its uniform (inverse CDF over the vocabulary in any
@@ -118,8 +119,8 @@ def tree_output_distribution(
         takes_out=one_hot_draft
         and isinstance(step, TreeStep)
         and step.siblings.takes_out_one_hot_drafts,
-        keeps_the_draft=isinstance(step, TraversalStep)
-        and step.siblings.keeps_the_draft,
+        subtracts_a_kept_draft=isinstance(step, TraversalStep)
+        and step.siblings.subtracts_a_kept_draft,
         pass_probability=_pass_law(step),
         sibling_rule=_compiled_rule(step),
         ends=[],
@@ -257,7 +258,7 @@ class _Enumeration:
     takes_out: bool
     # Whether the traversal reads q from the inputs, the rule stating that it keeps
     # the draft: checked at every deletion.
-    keeps_the_draft: bool
+    subtracts_a_kept_draft: bool
     # The probability that a child passes, from (p, q, the node's own target row,
     # the child's token): the step's child test, integrated over its coin.
     pass_probability: Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]
@@ -354,10 +355,13 @@ class _Enumeration:
             if weight == 0:
                 return 0.0
             left, left_draft = self.sibling_rule(alphas[-1] * p, q, token)
-            if self.keeps_the_draft and not np.array_equal(left_draft, q):
+            if self.subtracts_a_kept_draft and not (
+                np.array_equal(left_draft, q)
+                and np.array_equal(left, np.maximum(alphas[-1] * p - q, 0))
+            ):
                 raise ValueError(
-                    "step.siblings states keeps_the_draft = True, but returns a q "
-                    "other than the one it was given"
+                    "step.siblings states subtracts_a_kept_draft = True, but does not "
+                    "return max(p - q, 0) and the q it was given"
                 )
             q = left_draft
             mass = float(left.sum())
