@@ -90,6 +90,8 @@ SELECTION: dict[str, tuple[str, ...]] = {
     # Target-only trees, which take rejected tokens out, and greedy trees.
     "tests/test_target_only_trees.py": (),
     "tests/test_greedy_trees.py": (),
+    # The traversal's deletion in two numbers, against its rows.
+    "tests/test_traversal.py": (),
     # The all-at-once path, the accelerators' own, loops over no batch.
     "tests/test_row_strategy.py": (),
     # Verification from logits.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 
-# A root of four children, each of two, and one chain of three under the first.
+# A root of four children, each of two, and a chain of three under node 5.
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 13, 14]
 
 
@@ -64,8 +64,12 @@ def test_two_numbers_give_the_answers_of_the_rows(dtype):
         on_rows = eqx.filter_jit(speculax.TraversalStep(_on_rows()))(**inputs)
     for name in ("num_accepted", "tokens", "accepted_nodes"):
         np.testing.assert_array_equal(numbers[name], on_rows[name], err_msg=name)
-    # Paths cut at every depth, and kept to the end.
-    assert set(np.asarray(numbers["num_accepted"]).tolist()) >= {0, 1, 2}
+    # Nodes of alpha 0: a token of no target mass at its parent.
+    parent_rows = inputs["target_probs"][:, PARENTS]
+    tokens = np.asarray(inputs["tree_tokens"])[..., None]
+    assert (np.take_along_axis(parent_rows, tokens, axis=-1) == 0).any()
+    # Paths cut at every depth, and kept to the deepest node.
+    assert set(np.asarray(numbers["num_accepted"]).tolist()) == set(range(6))
 
 
 def _chain_inputs(root_target_at_draft: float, node_target: list[float]) -> dict:
