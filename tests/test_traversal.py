@@ -55,7 +55,7 @@ def _on_rows():
 def test_two_numbers_give_the_answers_of_the_rows(dtype):
     """On trees of several deletions per node, nodes whose alpha falls to 0
     included, the traversal that keeps two numbers per node gives the answers of
-    the same rule walked on rows, every row."""
+    the same rule walked on rows, every row's."""
     import speculax
 
     with jax.enable_x64(dtype == "float64"):
@@ -64,12 +64,48 @@ def test_two_numbers_give_the_answers_of_the_rows(dtype):
         on_rows = eqx.filter_jit(speculax.TraversalStep(_on_rows()))(**inputs)
     for name in ("num_accepted", "tokens", "accepted_nodes"):
         np.testing.assert_array_equal(numbers[name], on_rows[name], err_msg=name)
-    # Nodes of alpha 0: a token of no target mass at its parent.
+    # Deletions under nodes of alpha 0: a node with children whose token has no
+    # target mass at its parent.
     parent_rows = inputs["target_probs"][:, PARENTS]
     tokens = np.asarray(inputs["tree_tokens"])[..., None]
-    assert (np.take_along_axis(parent_rows, tokens, axis=-1) == 0).any()
+    no_mass = np.take_along_axis(parent_rows, tokens, axis=-1)[..., 0] == 0
+    with_children = sorted(set(PARENTS) - {0})
+    assert no_mass[:, np.asarray(with_children) - 1].any()
     # Paths cut at every depth, and kept to the deepest node.
     assert set(np.asarray(numbers["num_accepted"]).tolist()) == set(range(6))
+
+
+def test_two_numbers_keep_the_digits_of_a_good_draft():
+    """With a draft within about 1e-6 of the target, the first rejection at the
+    root leaves a mass of about 1e-6, and the root's next target is that excess
+    scaled up a million times: kept as two numbers it keeps the digits the rows
+    keep (`_excess` rounds $p - q$ once), and the answers are the rows', every row,
+    on roots of three children that fail unless their alpha is 1, the token drawn
+    from what they left."""
+    import speculax
+
+    rng = np.random.default_rng(5)
+    batch, vocab = 1000, 6
+    target = rng.dirichlet(np.ones(vocab), (batch, 4))
+    draft = target * (1 + 1e-6 * rng.standard_normal(target.shape))
+    draft /= draft.sum(-1, keepdims=True)
+    target, draft = target.astype(np.float32), draft.astype(np.float32)
+    # The first child drafts the token the draft most overstates.
+    first = np.argmax(draft[:, 0] - target[:, 0], axis=-1)
+    inputs = {
+        "parents": np.zeros((batch, 3), np.int32),
+        "tree_tokens": np.stack([first, *rng.integers(0, vocab, (2, batch))], -1),
+        "draft_probs": draft,
+        "target_probs": target,
+        "accept_uniforms": np.full((batch, 3), np.nextafter(np.float32(1), 0)),
+        "sample_uniforms": rng.random(batch).astype(np.float32),
+    }
+    numbers = eqx.filter_jit(speculax.TraversalStep())(**inputs)
+    on_rows = eqx.filter_jit(speculax.TraversalStep(_on_rows()))(**inputs)
+    for name in ("num_accepted", "tokens", "accepted_nodes"):
+        np.testing.assert_array_equal(numbers[name], on_rows[name], err_msg=name)
+    # Four roots in ten draw from what their three children left.
+    assert np.mean(np.asarray(numbers["num_accepted"]) == 0) > 0.4
 
 
 def _chain_inputs(root_target_at_draft: float, node_target: list[float]) -> dict:

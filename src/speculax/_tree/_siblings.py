@@ -43,7 +43,7 @@ class AbstractSiblingRule(eqx.Module):
         target is $\\max(a_k \\, p - b_k \\, q, 0)$ of its own rows, two numbers
         per node (`docs/keeping_more.md`, "What it costs"). A rule that
         does anything else states `False`, and the traversal keeps rows for it
-        (two, if its $q'$ is not $q$).
+        (of its target and of its draft).
 
     The concrete rules are final: to change one, wrap it in a piece of your own.
     """

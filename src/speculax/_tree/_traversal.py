@@ -48,12 +48,12 @@ class _Position(eqx.Module):
 class _Left(eqx.Module):
     """What the lost children of the path's nodes left, by depth, in one of two
     forms. As rows: the target unnormalised, with its mass, and the draft
-    normalised, kept only for a sibling rule that changes it (else `None`). As two
+    normalised, kept with draft probabilities (else `None`). As two
     numbers, for a rule that subtracts a kept draft on stochastic drafts
     (`target` and `draft` are `None`): the target left is
-    $\\max(a \\, p - b \\, q, 0)$ of the node's own rows as given, with `scale`
-    $a$ and `draft_weight` $b$, its mass in `target_mass`. Then what the rows read
-    for them showed."""
+    $\\max(a \\, (p - q) - d \\, q, 0)$ of the node's own rows as given, with
+    `scale` $a$ and `draft_weight` $d$ (`_excess`), its mass in `target_mass`.
+    Then what the rows read for them showed."""
 
     target: Float[Array, "depth vocab"] | None
     target_mass: Float[Array, " depth"]
@@ -62,6 +62,9 @@ class _Left(eqx.Module):
     draft: Float[Array, "depth vocab"] | None
     scale: Float[Array, " depth"]
     draft_weight: Float[Array, " depth"]
+    # Whether the node has lost one child: its target left is then
+    # max(a p - q, 0), as block verification computes it.
+    lost_one: Bool[Array, " depth"]
     bad_target_row: Bool[Array, ""]
     bad_draft_row: Bool[Array, ""]
     overflow: Bool[Array, ""]
@@ -215,7 +218,7 @@ def _nothing_left(
     """What the lost children left before any is lost: nothing, `(max_depth, V)`
     rows of zeros (of mass 1, never read) where `target_rows` and `draft_rows`
     ask for them, and the two numbers that give a node's own target row
-    ($a = 1$, $b = 0$)."""
+    ($a = 1$, $d = -1$)."""
     zeros = jnp.zeros((max_depth, vocab), dtype)
     ones = jnp.ones((max_depth,), dtype)
     return _Left(
@@ -224,7 +227,8 @@ def _nothing_left(
         fell_back=jnp.zeros((max_depth,), bool),
         draft=zeros if draft_rows else None,
         scale=ones,
-        draft_weight=jnp.zeros((max_depth,), dtype),
+        draft_weight=-ones,
+        lost_one=jnp.zeros((max_depth,), bool),
         bad_target_row=jnp.array(False),
         bad_draft_row=jnp.array(False),
         overflow=jnp.array(False),
@@ -434,8 +438,8 @@ def _record_left(
     draft: Float[Array, " vocab"],
 ) -> _Left:
     """Stores, as rows, what the deletion left at the parent's depth: the `excess`
-    of `mass` (`_mass_kept`); the sibling rule's `draft` normalised, for a rule that
-    changes it; and the checks of what it read: the parent's rows as given, and
+    of `mass` (`_mass_kept`); the sibling rule's `draft` normalised, with draft
+    probabilities; and the checks of what it read: the parent's rows as given, and
     whether the excess summed past the largest float."""
     assert left.target is not None
     draft_rows = left.draft
@@ -481,7 +485,7 @@ def _mass_kept(
         fallback,
         lambda: ordered_row_sums(
             read_probs_row(rows.target_probs, rows.b, parent), None
-        ),
+        ).astype(mass.dtype),
         lambda: mass,
     )
     return kept, fallback
@@ -490,14 +494,23 @@ def _mass_kept(
 def _excess(
     scale: Float[Array, ""],
     draft_weight: Float[Array, ""],
+    lost_one: Bool[Array, ""],
     target: Float[Array, "*vocab"],
     draft: Float[Array, "*vocab"],
 ) -> Float[Array, "*vocab"]:
-    """$\\max(a \\, p - b \\, q, 0)$ of a node's own rows as given, whole or at
-    one token, a subnormal value counted as zero (a difference of two normal
-    numbers can be subnormal): what its lost children left, as `_Left` keeps it in
-    two numbers."""
-    return flush_subnormal(jnp.maximum(scale * target - draft_weight * draft, 0))
+    """$\\max(a \\, (p - q) - d \\, q, 0)$ of a node's own rows as given, whole or
+    at one token, or where it has `lost_one` child $\\max(a \\, p - q, 0)$, as block
+    verification computes it; a subnormal value counts as zero (a difference of two
+    normal numbers can be subnormal). What its lost children left, as `_Left` keeps
+    it in two numbers. The form $a (p - q) - d q$ rounds $p - q$ once: with a good
+    draft its mass $m$ is small and $a \\approx 1 / m$, where
+    $a p - (a + d) q$ would lose $\\log_{10}(1 / m)$ digits."""
+    left = jnp.where(
+        lost_one,
+        scale * target - draft,
+        scale * (target - draft) - draft_weight * draft,
+    )
+    return flush_subnormal(jnp.maximum(left, 0))
 
 
 def _subtract_the_draft(
@@ -509,54 +522,60 @@ def _subtract_the_draft(
     first: Bool[Array, ""],
 ) -> tuple[Float[Array, ""], _Left]:
     """The deletion of a rule that subtracts a kept draft, in two numbers: where the
-    parent's target is $\\max(a p - b q, 0) / m$ of its own rows (at its `first`
-    loss, $p$ as given: $a = 1$, $b = 0$, $m = 1$), what the failed child leaves is
-    $\\max(\\alpha a / m \\; p - (\\alpha b / m + 1) \\, q, 0)$, the draft
-    read as given, as the chain step's block verification reads it. One pass over
-    the two rows, or none where $\\alpha = 0$; returns the excess's mass and
-    `left` updated."""
-    step = ratio / jnp.where(first, 1, left.target_mass[parent_depth])
-    scale = step * jnp.where(first, 1, left.scale[parent_depth])
-    draft_weight = step * jnp.where(first, 0, left.draft_weight[parent_depth]) + 1
-    zero = jnp.zeros((), jnp.int32)
+    parent's target is $\\max(a (p - q) - d q, 0) / m$ of its own rows, what the
+    failed child leaves is
+    $\\max(\\alpha a / m \\; (p - q) - (\\alpha d / m + 1) \\, q, 0)$; at its
+    `first` loss, $\\max(\\alpha p - q, 0)$ of the rows as given, as the chain
+    step's block verification reads them, which is $a = \\alpha$,
+    $d = 1 - \\alpha$. One pass over the two rows, or none where $\\alpha = 0$;
+    returns the excess's mass and `left` updated."""
+    per_mass = ratio / jnp.where(first, 1, left.target_mass[parent_depth])
+    scale = jnp.where(first, ratio, per_mass * left.scale[parent_depth])
+    draft_weight = jnp.where(
+        first, 1 - ratio, per_mass * left.draft_weight[parent_depth] + 1
+    )
+    # The one-hot of a token is read for deterministic drafts only, never here.
+    any_token = jnp.zeros((), jnp.int32)
     no_value = jnp.array(False)
 
     def read_rows():
-        own_target, own_draft = rows.own_rows(parent, zero)
-        excess = _excess(scale, draft_weight, own_target, own_draft)
+        own_target, own_draft = rows.own_rows(parent, any_token)
+        excess = _excess(scale, draft_weight, first, own_target, own_draft)
         # A bad value in either row makes the mass NaN, so that the rows are
         # checked in the same pass, and told apart only where one is bad.
         bad = not_a_probability(own_target) | not_a_probability(own_draft)
         mass = ordered_row_sums(jnp.where(bad, jnp.nan, excess), None)
+
+        def tell_apart():
+            target, draft = rows.own_rows(parent, any_token)
+            return holds_bad_values(target, None), holds_bad_values(draft, None)
+
         bad_target, bad_draft = jax.lax.cond(
-            jnp.isnan(mass),
-            lambda: (
-                holds_bad_values(rows.own_rows(parent, zero)[0], None),
-                holds_bad_values(rows.own_rows(parent, zero)[1], None),
-            ),
-            lambda: (no_value, no_value),
+            jnp.isnan(mass), tell_apart, lambda: (no_value, no_value)
         )
         return (mass, *_mass_kept(rows, parent, mass), bad_target, bad_draft)
 
     def read_nothing():
         # A node whose alpha is 0 never passes, and every alpha under it is 0
         # whatever its rows say: the excess is 0, and its rows are never drawn
-        # from, so the deletion reads nothing. (The root's alpha is never 0.)
+        # from, so the deletion reads nothing. (The root's alpha is never 0; a NaN
+        # alpha comes from a bad value already reported.)
         nothing, one = jnp.zeros((), rows.dtype), jnp.ones((), rows.dtype)
         return nothing, one, jnp.array(True), no_value, no_value
 
     mass, kept_mass, fell_back, bad_target, bad_draft = jax.lax.cond(
         ratio > 0, read_rows, read_nothing
     )
-    # Where the parent's own target stands in: a = 1, b = 0.
+    # Where the parent's own target stands in: p = 1 (p - q) + 1 q.
     scale = jnp.where(fell_back, 1, scale)
-    draft_weight = jnp.where(fell_back, 0, draft_weight)
+    draft_weight = jnp.where(fell_back, -1, draft_weight)
     left = eqx.tree_at(
         lambda x: (
             x.target_mass,
             x.fell_back,
             x.scale,
             x.draft_weight,
+            x.lost_one,
             x.bad_target_row,
             x.bad_draft_row,
             x.overflow,
@@ -567,6 +586,7 @@ def _subtract_the_draft(
             left.fell_back.at[parent_depth].set(fell_back),
             left.scale.at[parent_depth].set(scale),
             left.draft_weight.at[parent_depth].set(draft_weight),
+            left.lost_one.at[parent_depth].set(first & ~fell_back),
             left.bad_target_row | bad_target,
             left.bad_draft_row | bad_draft,
             left.overflow | jnp.isinf(mass),
@@ -616,7 +636,8 @@ def _enter_next_sibling(
     if left.target is None:
         scale = left.scale[parent_depth]
         draft_weight = left.draft_weight[parent_depth]
-        excess_at = _excess(scale, draft_weight, raw_target, raw_draft)
+        lost_one = left.lost_one[parent_depth]
+        excess_at = _excess(scale, draft_weight, lost_one, raw_target, raw_draft)
         draft_at = raw_draft
     else:
         excess_at = left.target[parent_depth, sibling_token]
@@ -663,7 +684,8 @@ def _walk_end(
     if left.target is None:
         own_target, own_draft = rows.own_rows(end, jnp.zeros((), jnp.int32))
         scale, draft_weight = left.scale[kept], left.draft_weight[kept]
-        target = _excess(scale, draft_weight, own_target, own_draft)
+        lost_one = left.lost_one[kept]
+        target = _excess(scale, draft_weight, lost_one, own_target, own_draft)
     else:
         target = left.target[kept]
     return eqx.tree_at(

@@ -256,8 +256,8 @@ class _Enumeration:
     # Whether a rejection takes the token out of p, as `TreeStep` does for a rule
     # that `takes_out_one_hot_drafts`, rather than calling the rule on rows.
     takes_out: bool
-    # Whether the traversal reads q from the inputs, the rule stating that it keeps
-    # the draft: checked at every deletion.
+    # Whether the traversal keeps two numbers per node, the rule stating that it is
+    # p' = max(p - q, 0), q' = q: checked at every deletion.
     subtracts_a_kept_draft: bool
     # The probability that a child passes, from (p, q, the node's own target row,
     # the child's token): the step's child test, integrated over its coin.
