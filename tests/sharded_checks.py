@@ -1,6 +1,8 @@
 """The checks of `tests/test_sharded.py`, run in a subprocess on 8 simulated CPU
 devices: the device count must be fixed before JAX initialises, which the test
-process (already running JAX on one device) cannot do. Prints one JSON object.
+process (already running JAX on one device) cannot do. Prints one JSON object:
+every chain variant on every mesh; with `--quick`, the default tier's subset of
+the chain's and the trees' checks; with `--trees`, every tree variant.
 """
 
 import json
@@ -281,6 +283,102 @@ def check_variants(devices: np.ndarray, quick: bool) -> dict:
     return found
 
 
+TREE_PARENTS = [0, 0, 1, 1, 2, -1]
+
+
+def tree_inputs(seed: int) -> dict:
+    """Peaked random trees of one shape with an unused slot, the tokens drawn from
+    q, on a batch of `BATCH` rows and a vocabulary of 64."""
+    rng = np.random.default_rng(seed)
+    vocab, positions = 64, len(TREE_PARENTS) + 1
+    q = rng.dirichlet(np.full(vocab, 0.3), (BATCH, positions))
+    p = rng.dirichlet(np.full(vocab, 0.3), (BATCH, positions))
+    tokens = [
+        [rng.choice(vocab, p=q[b, max(k, 0)]) for k in TREE_PARENTS]
+        for b in range(BATCH)
+    ]
+    return {
+        "parents": np.tile(TREE_PARENTS, (BATCH, 1)),
+        "tree_tokens": np.array(tokens, np.int32),
+        "draft_probs": q.astype(np.float32),
+        "target_probs": p.astype(np.float32),
+        "accept_uniforms": rng.random((BATCH, len(TREE_PARENTS))).astype(np.float32),
+        "sample_uniforms": rng.random(BATCH).astype(np.float32),
+    }
+
+
+def tree_variants() -> dict:
+    """The tree steps under `sharded_step`: each drafting mode of both walks, the
+    greedy tree, uniforms from a key, and per-row codes for bad rows."""
+    args = tree_inputs(1)
+    target_only = {**args, "draft_probs": None}
+    keyed = {
+        **{k: v for k, v in args.items() if not k.endswith("uniforms")},
+        "key": jax.random.key(3),
+    }
+    bad = {name: np.copy(value) for name, value in args.items()}
+    bad["target_probs"][2, 0, 5] = np.nan
+    bad["tree_tokens"][5, 1] = 64
+    without = speculax.SiblingsWithoutReplacement()
+    return {
+        "tree": (speculax.TreeStep(), args),
+        "tree without replacement": (speculax.TreeStep(without), args),
+        "tree deterministic": (speculax.TreeStep(), target_only),
+        "greedy tree": (speculax.greedy_tree_step(), target_only),
+        "traversal": (speculax.TraversalStep(), args),
+        "traversal without replacement": (speculax.TraversalStep(without), args),
+        "traversal deterministic": (speculax.TraversalStep(), target_only),
+        "key": (speculax.TraversalStep(), keyed),
+        "throw=False": (speculax.TreeStep(throw=False), bad),
+    }
+
+
+# The default tier's subset of the tree checks.
+QUICK_TREE_VARIANTS = ("tree", "traversal", "throw=False")
+TREE_MESHES = ("8x1", "2x4")
+
+
+def same_trees(got: tuple, want: tuple) -> bool:
+    """Whether two tree steps' `(output, result)` pairs agree bit for bit, the
+    output's keys included."""
+    (got_out, got_result), (want_out, want_result) = got, want
+    # As for any dict through `jax.jit`, in the sorted order of its keys.
+    keys = ["accepted_nodes", "num_accepted", "tokens"]
+    if list(got_out) != keys or list(want_out) != keys:
+        return False
+    equal = all(np.array_equal(got_out[k], want_out[k]) for k in keys)
+    return equal and bool(np.all(got_result == want_result))
+
+
+def check_trees(devices: np.ndarray, quick: bool) -> dict:
+    """Each tree variant on the batch axis of each mesh, against one device; the
+    refusal of a vocabulary axis."""
+    found: dict = {}
+    for name, (step, args) in tree_variants().items():
+        if quick and name not in QUICK_TREE_VARIANTS:
+            continue
+        reference = jax.jit(step.with_result)(**args)
+        found[name] = {
+            "rows": np.asarray(reference[0]["num_accepted"]).tolist(),
+            "failed": np.flatnonzero(
+                np.asarray(reference[1] != speculax.RESULTS.successful)
+            ).tolist(),
+        }
+        for mesh_name in TREE_MESHES if not quick else ("4x2",):
+            mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
+            f = speculax.sharded_step(step, mesh, batch_axis="data", with_result=True)
+            found[name][mesh_name] = same_trees(f(**args), reference)
+    mesh = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+    try:
+        speculax.sharded_step(
+            speculax.TreeStep(), mesh, batch_axis="data", vocab_axis="vocab"
+        )
+        found["vocab axis refused"] = None
+    except ValueError as error:
+        found["vocab axis refused"] = str(error)
+    return found
+
+
 def raised(f, **args) -> str | None:
     try:
         jax.block_until_ready(f(**args))
@@ -291,7 +389,15 @@ def raised(f, **args) -> str | None:
 
 def main() -> None:
     devices = np.array(jax.devices())
-    result: dict = {"variants": check_variants(devices, "--quick" in sys.argv)}
+    if "--trees" in sys.argv:
+        # The extended tier's tree checks, apart from the chain's: each run has a
+        # time limit of its own.
+        print(json.dumps({"trees": check_trees(devices, quick=False)}))
+        return
+    quick = "--quick" in sys.argv
+    result: dict = {"variants": check_variants(devices, quick)}
+    if quick:
+        result["trees"] = check_trees(devices, quick=True)
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
     f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)

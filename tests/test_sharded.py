@@ -53,8 +53,16 @@ def result() -> dict:
 
 
 @pytest.fixture(scope="module")
+def trees() -> dict:
+    """Every tree variant on the batch axis of the 8 x 1 and 2 x 4 meshes: the
+    extended tier."""
+    return _checks("--trees")["trees"]
+
+
+@pytest.fixture(scope="module")
 def quick() -> dict:
-    """Three variants on the 2 x 4 mesh, and the other checks: the default tier."""
+    """Three variants on the 2 x 4 mesh, three tree variants on the batch axis of
+    the 4 x 2 mesh, and the other checks: the default tier."""
     return _checks("--quick")
 
 
@@ -73,6 +81,52 @@ def test_no_vocabulary_sized_collective_on_a_mesh_of_both_axes(quick, variant):
     entry = quick["variants"][variant]["2x4"]
     assert entry["large_collectives"] == []
     assert entry["collectives"] >= 3
+
+
+QUICK_TREE_VARIANTS = ["tree", "traversal", "throw=False"]
+TREE_VARIANTS = [
+    "tree",
+    "tree without replacement",
+    "tree deterministic",
+    "greedy tree",
+    "traversal",
+    "traversal without replacement",
+    "traversal deterministic",
+    "key",
+    "throw=False",
+]
+
+
+@pytest.mark.parametrize("variant", QUICK_TREE_VARIANTS)
+def test_a_tree_step_on_a_batch_axis_is_the_step_on_one_device(quick, variant):
+    """Each device walks its own trees: tokens, counts, accepted nodes and per-row
+    codes bit for bit, on the batch axis of the 4 x 2 mesh."""
+    assert quick["trees"][variant]["4x2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["8x1", "2x4"])
+@pytest.mark.parametrize("variant", TREE_VARIANTS)
+def test_every_tree_step_on_a_batch_axis_is_the_step_on_one_device(
+    trees, variant, mesh
+):
+    assert trees[variant][mesh]
+
+
+@pytest.mark.slow
+def test_the_tree_inputs_cover_the_branches(trees):
+    """Paths cut at the root, in the middle and kept whole; the bad rows fail, and
+    only they."""
+    assert set(trees["tree"]["rows"]) == {0, 1, 2}
+    assert set(trees["traversal"]["rows"]) == {0, 2}
+    assert trees["throw=False"]["failed"] == [2, 5]
+    assert [name for name in trees if name in TREE_VARIANTS] == TREE_VARIANTS
+
+
+def test_a_tree_step_refuses_a_vocabulary_axis(quick):
+    message = quick["trees"]["vocab axis refused"]
+    assert message is not None
+    assert "vocab_axis must be None for a tree step" in message
 
 
 @pytest.mark.slow

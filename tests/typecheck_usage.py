@@ -129,6 +129,15 @@ def main() -> None:
     acceptance: speculax.AbstractAcceptance = retuned.acceptance
     assert isinstance(acceptance, ThresholdAcceptance)
 
+    # A tree step split over the batch axis of a mesh returns a TreeOutput.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    on_mesh = speculax.sharded_step(speculax.TreeStep(), mesh, batch_axis="data")
+    tree_probs = jnp.full((1, 3, 4), 0.25)
+    walked: speculax.TreeOutput = on_mesh(
+        [[0, 1]], [[2, 3]], tree_probs, tree_probs, key=jax.random.key(1)
+    )
+    assert walked["accepted_nodes"].tolist() == [[1, 2, -1]]
+
     # Compiled, with the step as an argument so that swapping a piece recompiles.
     compiled = eqx.filter_jit(custom)
     result = compiled(*inputs)

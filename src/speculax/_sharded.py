@@ -17,6 +17,7 @@ from ._core._checks import check_structure
 from ._core._failures import RESULTS
 from ._core._numerics import as_index, index_array
 from ._inputs._coercion import (
+    coerce_inputs,
     optional_array,
     optional_index_array,
     resolve_uniforms,
@@ -24,6 +25,7 @@ from ._inputs._coercion import (
 )
 from ._inputs._input_array import InputArray
 from ._inputs._random import KeyArray
+from ._tree._abstract import AbstractTreeStep, TreeOutput
 
 
 @overload
@@ -48,14 +50,36 @@ def sharded_step(
 ) -> Callable[..., tuple[StepOutput, RESULTS]]: ...
 
 
+@overload
 def sharded_step(
-    step: SpeculativeStep,
+    step: AbstractTreeStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: None = None,
+    with_result: Literal[False] = False,
+) -> Callable[..., TreeOutput]: ...
+
+
+@overload
+def sharded_step(
+    step: AbstractTreeStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: None = None,
+    with_result: Literal[True],
+) -> Callable[..., tuple[TreeOutput, RESULTS]]: ...
+
+
+def sharded_step(
+    step: SpeculativeStep | AbstractTreeStep,
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
     vocab_axis: str | None = None,
     with_result: bool = False,
-) -> Callable[..., StepOutput] | Callable[..., tuple[StepOutput, RESULTS]]:
+) -> Callable[..., Any]:
     """The verification step `step`, run under `jax.shard_map` on inputs sharded over
     the devices of `mesh`.
 
@@ -78,15 +102,20 @@ def sharded_step(
     other than `vocab_axis` is refused either way: it would reduce over the wrong
     devices.
 
+    A tree step ([`speculax.TreeStep`][], [`speculax.TraversalStep`][]) runs with a
+    batch axis only: each device walks its own trees, with no communication, and
+    the outputs are bit for bit those on one device. Its walks read whole rows, so
+    a vocabulary axis is refused.
+
     **Arguments:**
 
     - `step`: a [`speculax.SpeculativeStep`][], any flags included
-        (`check_all_probs`, `throw=False`).
+        (`check_all_probs`, `throw=False`), or an [`speculax.AbstractTreeStep`][].
     - `mesh`: a `jax.sharding.Mesh`.
     - `batch_axis`: keyword only, the name of the mesh axis that shards the batch, or
         `None`.
     - `vocab_axis`: keyword only, the name of the mesh axis that shards the
-        vocabulary, or `None`.
+        vocabulary, or `None` (always, for a tree step).
     - `with_result`: keyword only, whether the function returns each row's
         outcome beside the output, as [`speculax.SpeculativeStep.with_result`][]
         does. Default `False`.
@@ -95,21 +124,27 @@ def sharded_step(
 
     A function with the arguments of [`speculax.SpeculativeStep.__call__`][]
     (`draft_probs=None`, omitted uniforms, `key=` and `num_draft_tokens=` included),
-    returning the same [`speculax.StepOutput`][] dict (with `with_result=True`, the
-    tuple `(output, result)`), compiled once per input structure. Inputs may lie
-    anywhere (NumPy, one device, another sharding): they are placed on the mesh
-    first.
+    or for a tree step those of [`speculax.AbstractTreeStep.__call__`][], returning
+    the same [`speculax.StepOutput`][] (or [`speculax.TreeOutput`][]) dict (with
+    `with_result=True`, the tuple `(output, result)`), compiled once per input
+    structure. Inputs may lie anywhere (NumPy, one device, another sharding): they
+    are placed on the mesh first; uniforms drawn from `key` are drawn for the whole
+    batch, as on one device, before the rows are split.
 
     **Raises:**
 
-    `ValueError`, at once, for an axis name that is not in the mesh or given twice,
-    or a piece that cannot split the vocabulary; when called, for the structure
-    errors of the single-device step, and a batch or vocabulary not divisible by the
-    size of its axis. The value checks run as in the single-device step, on every
-    device, after the last collective.
+    `TypeError` for a `step` of another kind. `ValueError`, at once, for an axis
+    name that is not in the mesh or given twice, a piece that cannot split the
+    vocabulary, or a vocabulary axis for a tree step; when called, for the
+    structure errors of the single-device step, and a batch or vocabulary not
+    divisible by the size of its axis. The value checks run as in the
+    single-device step, on every device, after the last collective.
     """
-    if not isinstance(step, SpeculativeStep):
-        raise TypeError(f"step must be a SpeculativeStep; got {type(step).__name__}")
+    if not isinstance(step, (SpeculativeStep, AbstractTreeStep)):
+        raise TypeError(
+            "step must be a SpeculativeStep or an AbstractTreeStep; got "
+            f"{type(step).__name__}"
+        )
     for name, axis in {"batch_axis": batch_axis, "vocab_axis": vocab_axis}.items():
         if axis is not None and axis not in mesh.axis_names:
             raise ValueError(
@@ -120,6 +155,27 @@ def sharded_step(
         raise ValueError(
             f"batch_axis and vocab_axis must differ; both are {batch_axis!r}"
         )
+    if isinstance(step, AbstractTreeStep):
+        sharded = _tree_step_on_mesh(step, mesh, batch_axis, vocab_axis)
+    else:
+        sharded = _chain_step_on_mesh(step, mesh, batch_axis, vocab_axis)
+    if with_result:
+        return sharded
+
+    def sharded_output(*args: Any, **kwargs: Any) -> Any:
+        output, _ = sharded(*args, **kwargs)
+        return output
+
+    return functools.wraps(sharded)(sharded_output)
+
+
+def _chain_step_on_mesh(
+    step: SpeculativeStep,
+    mesh: Mesh,
+    batch_axis: str | None,
+    vocab_axis: str | None,
+) -> Callable[..., tuple[StepOutput, RESULTS]]:
+    """`sharded_step` for the chain step, returning the output and the result."""
     step = _on_vocab_axis(step, vocab_axis)
     specs = {
         "draft_tokens": PartitionSpec(batch_axis),
@@ -129,24 +185,7 @@ def sharded_step(
         "sample_uniforms": PartitionSpec(batch_axis),
         "num_draft_tokens": PartitionSpec(batch_axis),
     }
-
-    @eqx.filter_jit
-    def run(inputs: dict[str, Array]) -> tuple[StepOutput, RESULTS]:
-        inputs = {
-            name: as_index(x) if jnp.issubdtype(x.dtype, jnp.integer) else x
-            for name, x in inputs.items()
-        }
-        return jax.shard_map(
-            # Arguments left out (None) are passed as None.
-            lambda local: step.with_result(**{name: local.get(name) for name in specs}),
-            mesh=mesh,
-            in_specs=({name: specs[name] for name in inputs},),
-            out_specs=PartitionSpec(batch_axis),
-            # Equinox's runtime errors are `cond`s whose branches the replication
-            # check cannot match up, and the outputs computed after an `all_gather`
-            # are typed as varying though every device holds the same.
-            check_vma=False,
-        )(inputs)
+    run = _run_on_mesh(step.with_result, mesh, specs, batch_axis)
 
     def sharded(
         draft_tokens: InputArray,
@@ -169,16 +208,8 @@ def sharded_step(
         }
         check_structure(*inputs.values())
         batch, num_draft = inputs["draft_tokens"].shape
-        for name, axis, size in (
-            ("batch", batch_axis, batch),
-            ("vocab", vocab_axis, inputs["target_probs"].shape[-1]),
-        ):
-            devices = 1 if axis is None else mesh.shape[axis]
-            if size % devices:
-                raise ValueError(
-                    f"the {name} size must be divisible by the size of {name}_axis "
-                    f"{axis!r}, {devices}; got {size}"
-                )
+        _check_divisible("batch", batch_axis, batch, mesh)
+        _check_divisible("vocab", vocab_axis, inputs["target_probs"].shape[-1], mesh)
         # Drawn for the whole batch, as on one device, before the rows are split.
         inputs["accept_uniforms"], inputs["sample_uniforms"] = resolve_uniforms(
             (batch, num_draft),
@@ -187,6 +218,103 @@ def sharded_step(
             key,
             (uniform_reader(step.acceptance), uniform_reader(step.sampler)),
         )
+        return run(inputs)
+
+    return sharded
+
+
+def _tree_step_on_mesh(
+    step: AbstractTreeStep,
+    mesh: Mesh,
+    batch_axis: str | None,
+    vocab_axis: str | None,
+) -> Callable[..., tuple[TreeOutput, RESULTS]]:
+    """`sharded_step` for a tree step, batch axis only, returning the output and the
+    result."""
+    if vocab_axis is not None:
+        raise ValueError(
+            f"{type(step).__name__} walks whole rows, so it cannot split the "
+            f"vocabulary: vocab_axis must be None for a tree step; got {vocab_axis!r}"
+        )
+    names = (
+        "parents",
+        "tree_tokens",
+        "draft_probs",
+        "target_probs",
+        "accept_uniforms",
+        "sample_uniforms",
+    )
+    run = _run_on_mesh(
+        step.with_result,
+        mesh,
+        {name: PartitionSpec(batch_axis) for name in names},
+        batch_axis,
+    )
+
+    def sharded(
+        parents: InputArray,
+        tree_tokens: InputArray,
+        draft_probs: InputArray | None,
+        target_probs: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        key: KeyArray | None = None,
+    ) -> tuple[TreeOutput, RESULTS]:
+        # Checked and read by value outside the jit, as on one device.
+        given = coerce_inputs(
+            tree_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            sample_uniforms,
+            parents=parents,
+        )
+        _check_divisible("batch", batch_axis, given.tokens.shape[0], mesh)
+        # Drawn for the whole batch, as on one device, before the rows are split.
+        accept, sample = given.uniforms(key, step._uniform_readers)
+        return run(
+            {
+                "parents": given.parents,
+                "tree_tokens": given.tokens,
+                "draft_probs": given.draft,
+                "target_probs": given.target,
+                "accept_uniforms": accept,
+                "sample_uniforms": sample,
+            }
+        )
+
+    return sharded
+
+
+def _run_on_mesh(
+    with_result: Callable[..., tuple[Any, RESULTS]],
+    mesh: Mesh,
+    specs: dict[str, PartitionSpec],
+    batch_axis: str | None,
+) -> Callable[[dict[str, Array | None]], tuple[Any, RESULTS]]:
+    """`with_result` under `jax.shard_map`, jitted, on inputs by name (`None` where
+    left out), each placed on the mesh by its spec in `specs` first."""
+
+    @eqx.filter_jit
+    def run(inputs: dict[str, Array]) -> tuple[Any, RESULTS]:
+        inputs = {
+            name: as_index(x) if jnp.issubdtype(x.dtype, jnp.integer) else x
+            for name, x in inputs.items()
+        }
+        return jax.shard_map(
+            # Arguments left out (None) are passed as None.
+            lambda local: with_result(**{name: local.get(name) for name in specs}),
+            mesh=mesh,
+            in_specs=({name: specs[name] for name in inputs},),
+            out_specs=PartitionSpec(batch_axis),
+            # Equinox's runtime errors are `cond`s whose branches the replication
+            # check cannot match up, and the outputs computed after an `all_gather`
+            # are typed as varying though every device holds the same.
+            check_vma=False,
+        )(inputs)
+
+    def placed_and_run(inputs: dict[str, Array | None]) -> tuple[Any, RESULTS]:
         placed = {
             name: jax.device_put(x, NamedSharding(mesh, specs[name]))
             for name, x in inputs.items()
@@ -194,14 +322,17 @@ def sharded_step(
         }
         return run(placed)
 
-    if with_result:
-        return sharded
+    return placed_and_run
 
-    def sharded_output(*args: Any, **kwargs: Any) -> StepOutput:
-        output, _ = sharded(*args, **kwargs)
-        return output
 
-    return functools.wraps(sharded)(sharded_output)
+def _check_divisible(name: str, axis: str | None, size: int, mesh: Mesh) -> None:
+    """A `ValueError` where the `name` size is not divisible by its axis's."""
+    devices = 1 if axis is None else mesh.shape[axis]
+    if size % devices:
+        raise ValueError(
+            f"the {name} size must be divisible by the size of {name}_axis "
+            f"{axis!r}, {devices}; got {size}"
+        )
 
 
 def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str | None) -> SpeculativeStep:

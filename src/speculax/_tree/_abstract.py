@@ -157,9 +157,7 @@ class AbstractTreeStep(eqx.Module):
             sample_uniforms,
             parents=parents,
         )
-        accept_uniforms, sample_uniforms = inputs.uniforms(
-            key, (self._coin_reader, uniform_reader(self.sampler))
-        )
+        accept_uniforms, sample_uniforms = inputs.uniforms(key, self._uniform_readers)
         # Given parents, coerce_inputs returns them.
         assert inputs.parents is not None
         parents, tree_tokens = inputs.parents, inputs.tokens
@@ -220,6 +218,12 @@ class AbstractTreeStep(eqx.Module):
         return report_failures(
             output, result, check_values=self.check_values, throw=self.throw
         )
+
+    @property
+    def _uniform_readers(self) -> tuple[str | None, str | None]:
+        """What reads `accept_uniforms` and `sample_uniforms`, for drawing them
+        (`StepInputs.uniforms`), also where the batch is split over devices."""
+        return self._coin_reader, uniform_reader(self.sampler)
 
     @property
     @abc.abstractmethod
