@@ -284,15 +284,20 @@ def check_variants(devices: np.ndarray, quick: bool) -> dict:
 
 
 TREE_PARENTS = [0, 0, 1, 1, 2, -1]
+# The smallest vocabulary whose slices are whole blocks of 256 on 8 devices.
+TREE_VOCAB = 8 * 256
 
 
 def tree_inputs(seed: int) -> dict:
     """Peaked random trees of one shape with an unused slot, the tokens drawn from
-    q, on a batch of `BATCH` rows and a vocabulary of 64."""
+    q, on a batch of `BATCH` rows and a vocabulary of `TREE_VOCAB`; the target is
+    the draft, perturbed, so that some paths are kept whole."""
     rng = np.random.default_rng(seed)
-    vocab, positions = 64, len(TREE_PARENTS) + 1
-    q = rng.dirichlet(np.full(vocab, 0.3), (BATCH, positions))
-    p = rng.dirichlet(np.full(vocab, 0.3), (BATCH, positions))
+    vocab, positions = TREE_VOCAB, len(TREE_PARENTS) + 1
+    q = rng.dirichlet(np.full(vocab, 0.05), (BATCH, positions))
+    noise = rng.dirichlet(np.full(vocab, 0.05), (BATCH, positions))
+    closeness = rng.uniform(0, 1, (BATCH, 1, 1))
+    p = closeness * q + (1 - closeness) * noise
     tokens = [
         [rng.choice(vocab, p=q[b, max(k, 0)]) for k in TREE_PARENTS]
         for b in range(BATCH)
@@ -309,7 +314,8 @@ def tree_inputs(seed: int) -> dict:
 
 def tree_variants() -> dict:
     """The tree steps under `sharded_step`: each drafting mode of both walks, the
-    greedy tree, uniforms from a key, and per-row codes for bad rows."""
+    greedy tree, uniforms from a key, and per-row codes for bad rows, one of them
+    on the last device's slice of the vocabulary."""
     args = tree_inputs(1)
     target_only = {**args, "draft_probs": None}
     keyed = {
@@ -317,8 +323,10 @@ def tree_variants() -> dict:
         "key": jax.random.key(3),
     }
     bad = {name: np.copy(value) for name, value in args.items()}
-    bad["target_probs"][2, 0, 5] = np.nan
-    bad["tree_tokens"][5, 1] = 64
+    # Rows 1 and 3 lose every child of the root, whose rows are then read whole.
+    bad["target_probs"][1, 0, TREE_VOCAB - 5] = np.nan
+    bad["draft_probs"][3, 0, TREE_VOCAB - 3] = np.nan
+    bad["tree_tokens"][5, 1] = TREE_VOCAB
     without = speculax.SiblingsWithoutReplacement()
     return {
         "tree": (speculax.TreeStep(), args),
@@ -330,12 +338,18 @@ def tree_variants() -> dict:
         "traversal deterministic": (speculax.TraversalStep(), target_only),
         "key": (speculax.TraversalStep(), keyed),
         "throw=False": (speculax.TreeStep(throw=False), bad),
+        "traversal throw=False": (speculax.TraversalStep(throw=False), bad),
     }
 
 
-# The default tier's subset of the tree checks.
-QUICK_TREE_VARIANTS = ("tree", "traversal", "throw=False")
-TREE_MESHES = ("8x1", "2x4")
+# The default tier's subset of the tree checks, on one mesh of both axes.
+QUICK_TREE_VARIANTS = ("tree", "traversal", "traversal throw=False")
+QUICK_TREE_MESHES = ("2x4",)
+# The variants whose compiled program is searched for large collectives.
+INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
+STRATEGIES = ("one at a time", "all at once")
+# The failures planted in the bad rows of `tree_variants`.
+TREE_FAILURES = ("bad_target_row", "bad_draft_row", "tree_token_out_of_range")
 
 
 def same_trees(got: tuple, want: tuple) -> bool:
@@ -350,33 +364,92 @@ def same_trees(got: tuple, want: tuple) -> bool:
     return equal and bool(np.all(got_result == want_result))
 
 
-def check_trees(devices: np.ndarray, quick: bool) -> dict:
-    """Each tree variant on the batch axis of each mesh, against one device; the
-    refusal of a vocabulary axis."""
+def check_trees(
+    devices: np.ndarray, quick: bool, strategies: tuple[str, ...] = STRATEGIES
+) -> dict:
+    """Each tree variant with the batch and the vocabulary split on each mesh,
+    under each of `strategies`, against one device. Where the first of them is
+    the first of all: the batch split alone, the collectives of the compiled
+    programs, the refusals."""
     found: dict = {}
+    meshes = QUICK_TREE_MESHES if quick else tuple(MESHES)
+    everything = strategies[0] == STRATEGIES[0]
     for name, (step, args) in tree_variants().items():
         if quick and name not in QUICK_TREE_VARIANTS:
             continue
         reference = jax.jit(step.with_result)(**args)
+        result = reference[1]
         found[name] = {
             "rows": np.asarray(reference[0]["num_accepted"]).tolist(),
             "failed": np.flatnonzero(
-                np.asarray(reference[1] != speculax.RESULTS.successful)
+                np.asarray(result != speculax.RESULTS.successful)
             ).tolist(),
+            "rows of each kind": {
+                kind: np.flatnonzero(
+                    np.asarray(result == getattr(speculax.RESULTS, kind))
+                ).tolist()
+                for kind in TREE_FAILURES
+            },
         }
-        for mesh_name in TREE_MESHES if not quick else ("4x2",):
-            mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
-            f = speculax.sharded_step(step, mesh, batch_axis="data", with_result=True)
-            found[name][mesh_name] = same_trees(f(**args), reference)
-    mesh = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
-    try:
-        speculax.sharded_step(
-            speculax.TreeStep(), mesh, batch_axis="data", vocab_axis="vocab"
-        )
-        found["vocab axis refused"] = None
-    except ValueError as error:
-        found["vocab axis refused"] = str(error)
+        if everything:
+            batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+            f = speculax.sharded_step(
+                step, batch_only, batch_axis="data", with_result=True
+            )
+            found[name]["batch axis only"] = same_trees(f(**args), reference)
+        for mesh_name in meshes:
+            shape = MESHES[mesh_name]
+            mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
+            entry: dict = {}
+            for strategy in strategies:
+                with speculax.row_strategy(strategy):
+                    f = speculax.sharded_step(
+                        step,
+                        mesh,
+                        batch_axis="data",
+                        vocab_axis="vocab",
+                        with_result=True,
+                    )
+                    entry[strategy] = same_trees(f(**args), reference)
+            if everything and name in INSPECTED_TREES:
+                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
+                sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
+                entry["large_collectives"] = large_collectives(hlo, sizes)
+                entry["collectives"] = len(collectives(hlo))
+            found[name][mesh_name] = entry
+    if everything:
+        found["refused"] = tree_refusals(devices)
     return found
+
+
+def tree_refusals(devices: np.ndarray) -> dict:
+    """The messages of the tree steps that `sharded_step` refuses to split the
+    vocabulary for: a sibling rule that reads its rows whole, a sampler that
+    names another axis."""
+
+    class Normalising(speculax.AbstractSiblingRule):
+        takes_out_one_hot_drafts = False
+        subtracts_a_kept_draft = False
+        elementwise = False
+
+        def __call__(self, target, draft, rejected):
+            left = jnp.maximum(target - draft, 0)
+            return left / jnp.sum(left), draft
+
+    mesh = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+    refused = {}
+    for name, step in {
+        "not elementwise": speculax.TreeStep(Normalising()),
+        "other axis": speculax.TraversalStep(
+            sampler=speculax.InverseCDF(axis_name="model"), axis_name="model"
+        ),
+    }.items():
+        try:
+            speculax.sharded_step(step, mesh, batch_axis="data", vocab_axis="vocab")
+            refused[name] = None
+        except ValueError as error:
+            refused[name] = str(error)
+    return refused
 
 
 def raised(f, **args) -> str | None:
@@ -390,9 +463,11 @@ def raised(f, **args) -> str | None:
 def main() -> None:
     devices = np.array(jax.devices())
     if "--trees" in sys.argv:
-        # The extended tier's tree checks, apart from the chain's: each run has a
-        # time limit of its own.
-        print(json.dumps({"trees": check_trees(devices, quick=False)}))
+        # The extended tier's tree checks under one row strategy, apart from the
+        # chain's and the other strategy's: each run has a time limit of its own.
+        strategy = sys.argv[sys.argv.index("--trees") + 1]
+        found = check_trees(devices, quick=False, strategies=(strategy,))
+        print(json.dumps({"trees": found}))
         return
     quick = "--quick" in sys.argv
     result: dict = {"variants": check_variants(devices, quick)}

@@ -2,12 +2,15 @@
 
 The device count is fixed when JAX initialises, and this process already runs JAX on
 one device, so the checks run in a subprocess (`tests/sharded_checks.py`, compiling
-once per variant and mesh) and this file asserts on the JSON it prints.
+once per variant and mesh) and this file asserts on the JSON it prints. Under
+pytest-xdist one worker runs each subprocess and the others read its JSON.
 """
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +37,7 @@ VARIANTS = [
 INSPECTED = ["default", "greedy", "typical", "check_all_probs", "block"]
 
 
-def _checks(*options: str) -> dict:
+def _run_checks(*options: str) -> dict:
     # The script adds the device count to this process's XLA_FLAGS.
     done = subprocess.run(
         [sys.executable, str(HERE / "sharded_checks.py"), *options],
@@ -46,24 +49,68 @@ def _checks(*options: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def result() -> dict:
-    """Every variant on every mesh: the extended tier."""
-    return _checks()
+def _checks(shared: Path | None, *options: str) -> dict:
+    """The checks' JSON; under xdist, from the worker that claims `options` first
+    (`shared` is the run's folder, common to its workers), so that a run of
+    minutes is not repeated on every worker."""
+    if shared is None:
+        return _run_checks(*options)
+    stem = shared / "_".join(["sharded", *options]).replace(" ", "-")
+    done, failed = stem.with_suffix(".json"), stem.with_suffix(".failed")
+    try:
+        os.close(os.open(stem.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        for _ in range(1200):
+            if done.exists():
+                return json.loads(done.read_text())
+            assert not failed.exists(), failed.read_text()
+            time.sleep(1)
+        raise TimeoutError(f"no worker finished the checks {options}") from None
+    try:
+        found = _run_checks(*options)
+    except BaseException as error:
+        failed.write_text(f"the worker that ran {options} failed: {error}")
+        raise
+    partial = stem.with_suffix(".partial")
+    partial.write_text(json.dumps(found))
+    partial.rename(done)
+    return found
 
 
 @pytest.fixture(scope="module")
-def trees() -> dict:
-    """Every tree variant on the batch axis of the 8 x 1 and 2 x 4 meshes: the
-    extended tier."""
-    return _checks("--trees")["trees"]
+def shared(tmp_path_factory, worker_id) -> Path | None:
+    """The folder common to this run's xdist workers; `None` without xdist."""
+    if worker_id == "master":
+        return None
+    return tmp_path_factory.getbasetemp().parent
 
 
 @pytest.fixture(scope="module")
-def quick() -> dict:
-    """Three variants on the 2 x 4 mesh, three tree variants on the batch axis of
-    the 4 x 2 mesh, and the other checks: the default tier."""
-    return _checks("--quick")
+def result(shared) -> dict:
+    """Every chain variant on every mesh: the extended tier."""
+    return _checks(shared)
+
+
+@pytest.fixture(scope="module", params=["one at a time", "all at once"])
+def trees(shared, request) -> tuple[str, dict]:
+    """Every tree variant on every mesh under one row strategy, with the
+    strategy: the extended tier."""
+    return request.param, _checks(shared, "--trees", request.param)["trees"]
+
+
+@pytest.fixture(scope="module")
+def tree_checks(shared) -> dict:
+    """The tree checks run under the first strategy alone: the batch axis only,
+    the compiled programs' collectives, the inputs' coverage."""
+    return _checks(shared, "--trees", "one at a time")["trees"]
+
+
+@pytest.fixture(scope="module")
+def quick(shared) -> dict:
+    """Three chain variants on the 2 x 4 mesh; three tree variants on the 2 x 4
+    mesh under both row strategies and on the batch axis of the 4 x 2 mesh; the
+    other checks: the default tier."""
+    return _checks(shared, "--quick")
 
 
 QUICK_VARIANTS = ["default", "throw=False", "block"]
@@ -83,7 +130,7 @@ def test_no_vocabulary_sized_collective_on_a_mesh_of_both_axes(quick, variant):
     assert entry["collectives"] >= 3
 
 
-QUICK_TREE_VARIANTS = ["tree", "traversal", "throw=False"]
+QUICK_TREE_VARIANTS = ["tree", "traversal", "traversal throw=False"]
 TREE_VARIANTS = [
     "tree",
     "tree without replacement",
@@ -94,39 +141,86 @@ TREE_VARIANTS = [
     "traversal deterministic",
     "key",
     "throw=False",
+    "traversal throw=False",
 ]
+INSPECTED_TREES = ["tree", "tree deterministic", "traversal", "traversal deterministic"]
+STRATEGIES = ["one at a time", "all at once"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("variant", QUICK_TREE_VARIANTS)
+def test_a_tree_step_on_a_mesh_of_both_axes_is_the_step_on_one_device(
+    quick, variant, strategy
+):
+    """The devices of a row walk its tree together: tokens, counts, accepted nodes
+    and per-row codes bit for bit, on the 2 x 4 mesh, under either row strategy."""
+    assert list(quick["trees"]) == [*QUICK_TREE_VARIANTS, "refused"]
+    assert quick["trees"][variant]["2x4"][strategy]
 
 
 @pytest.mark.parametrize("variant", QUICK_TREE_VARIANTS)
 def test_a_tree_step_on_a_batch_axis_is_the_step_on_one_device(quick, variant):
-    """Each device walks its own trees: tokens, counts, accepted nodes and per-row
-    codes bit for bit, on the batch axis of the 4 x 2 mesh."""
-    assert quick["trees"][variant]["4x2"]
+    """Each device walks its own trees, on the batch axis of the 4 x 2 mesh."""
+    assert quick["trees"][variant]["batch axis only"]
+
+
+@pytest.mark.parametrize("variant", ["tree", "traversal"])
+def test_no_vocabulary_sized_collective_in_a_tree_step(quick, variant):
+    entry = quick["trees"][variant]["2x4"]
+    assert entry["large_collectives"] == []
+    # The psums of the values at the draft tokens, the block sums gathered, the
+    # checks' pmax, the drawn token.
+    assert entry["collectives"] >= 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["8x1", "2x4"])
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("variant", TREE_VARIANTS)
+def test_every_tree_step_on_every_mesh_is_the_step_on_one_device(trees, variant, mesh):
+    """Under each row strategy, the fixture's parameter."""
+    strategy, found = trees
+    assert found[variant][mesh][strategy]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", TREE_VARIANTS)
 def test_every_tree_step_on_a_batch_axis_is_the_step_on_one_device(
-    trees, variant, mesh
+    tree_checks, variant
 ):
-    assert trees[variant][mesh]
+    assert tree_checks[variant]["batch axis only"]
 
 
 @pytest.mark.slow
-def test_the_tree_inputs_cover_the_branches(trees):
-    """Paths cut at the root, in the middle and kept whole; the bad rows fail, and
-    only they."""
-    assert set(trees["tree"]["rows"]) == {0, 1, 2}
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("variant", INSPECTED_TREES)
+def test_no_vocabulary_sized_collective_in_any_tree_step(tree_checks, variant, mesh):
+    entry = tree_checks[variant][mesh]
+    assert entry["large_collectives"] == []
+    assert entry["collectives"] >= 4
+
+
+@pytest.mark.slow
+def test_the_tree_inputs_cover_the_branches(tree_checks):
+    """Paths cut at the root, in the middle and kept whole; the bad rows fail with
+    the kind planted, on the last device's slice too, and only they."""
+    trees = tree_checks
+    assert set(trees["tree"]["rows"]) == {0, 2}
+    assert 1 in trees["key"]["rows"]
     assert set(trees["traversal"]["rows"]) == {0, 2}
-    assert trees["throw=False"]["failed"] == [2, 5]
+    assert trees["throw=False"]["rows of each kind"] == {
+        "bad_target_row": [1],
+        "bad_draft_row": [3],
+        "tree_token_out_of_range": [5],
+    }
+    assert trees["throw=False"]["failed"] == [1, 3, 5]
+    assert trees["traversal throw=False"]["failed"] == [1, 5]
     assert [name for name in trees if name in TREE_VARIANTS] == TREE_VARIANTS
 
 
-def test_a_tree_step_refuses_a_vocabulary_axis(quick):
-    message = quick["trees"]["vocab axis refused"]
-    assert message is not None
-    assert "vocab_axis must be None for a tree step" in message
+def test_tree_steps_that_cannot_split_the_vocabulary_are_refused(quick):
+    refused = quick["trees"]["refused"]
+    assert "Normalising, is not elementwise" in refused["not elementwise"]
+    assert "splits the vocabulary over 'model'" in refused["other axis"]
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ def test_taking_tokens_out_agrees_with_the_rule_on_rows(dtype):
 
         takes_out_one_hot_drafts = False
         subtracts_a_kept_draft = True
+        elementwise = True
 
         def __call__(self, target, draft, rejected):
             return speculax.IndependentSiblings()(target, draft, rejected)
@@ -128,6 +129,7 @@ def test_the_enumeration_refuses_a_rule_that_misstates_taking_out():
     class KeepsTarget(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = True
         subtracts_a_kept_draft = False
+        elementwise = True
 
         def __call__(self, target, draft, rejected):
             return target, draft

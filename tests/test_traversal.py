@@ -42,6 +42,7 @@ def _on_rows():
     class OnRows(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
         subtracts_a_kept_draft = False
+        elementwise = True
 
         def __call__(self, target, draft, rejected):
             return speculax.IndependentSiblings()(target, draft, rejected)

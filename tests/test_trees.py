@@ -146,6 +146,7 @@ def test_the_enumeration_catches_a_residual_that_forgets_the_draft(kind):
     class KeepTarget(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
         subtracts_a_kept_draft = False
+        elementwise = True
 
         def __call__(self, target, draft, rejected):
             return target, draft
@@ -174,6 +175,7 @@ def test_the_enumeration_refuses_a_rule_that_misstates_subtracting_a_kept_draft(
     class Misstated(speculax.AbstractSiblingRule):
         takes_out_one_hot_drafts = False
         subtracts_a_kept_draft = True
+        elementwise = True
 
         def __call__(self, target, draft, rejected):
             if leaves == "the target":
@@ -870,9 +872,12 @@ def test_the_step_walks_the_rule(kind, max_depth, drafting):
     assert 0 in lengths and max(lengths) >= min(2, max_depth or 2)
 
 
-def test_bad_draft_rows_are_named():
-    """A negative q at a token no child has still reaches the residual: reported
-    as a bad q_n row, as the chain step does, not drawn from."""
+@pytest.mark.parametrize("value", [-1.0, np.nan])
+@pytest.mark.parametrize("kind", STEPS)
+def test_bad_draft_rows_are_named(kind, value):
+    """A negative or NaN q at a token no child has still reaches the residual:
+    reported as a bad q_n row, as the chain step does, not drawn from; not as a
+    bad target row, though a NaN leaves NaN in what the target is drawn from."""
     import speculax
 
     inputs = _random_tree_inputs(8, 2)
@@ -880,8 +885,9 @@ def test_bad_draft_rows_are_named():
     children = set(inputs["tree_tokens"][0, [0, 1, 5]].tolist())
     inputs["target_probs"][0, 0, list(children)] = 0
     free = next(v for v in range(64) if v not in children)
-    inputs["draft_probs"][0, 0, free] = -1.0
-    _, result = _jitted(speculax.TreeStep(throw=False).with_result)(**inputs)
+    inputs["draft_probs"][0, 0, free] = value
+    step = _step(kind, speculax.IndependentSiblings(), throw=False)
+    _, result = _jitted(step.with_result)(**inputs)
     messages = speculax.failure_messages(result)
     assert messages[0].startswith("draft_probs must be finite"), messages
     assert "row q_n" in messages[0] and messages[1] == ""
@@ -1101,3 +1107,33 @@ def test_a_row_alone_equals_the_row_in_the_batch_under_both_strategies(kind, dra
 
     one, every = _under_each_strategy(alone_and_batched).values()
     _assert_same_answers(every, one)
+
+
+@pytest.mark.parametrize("kind", STEPS)
+def test_a_step_on_a_split_vocabulary_needs_its_sampler_on_it_and_an_elementwise_rule(
+    kind,
+):
+    """The walk and the sampler reduce over the same axis, and only a rule that
+    reads each token alone can run on a slice of the rows."""
+    import speculax
+
+    with pytest.raises(ValueError, match="sampler must split the vocabulary over"):
+        _step(kind, axis_name="vocab")
+    with pytest.raises(ValueError, match="sampler must split the vocabulary over"):
+        _step(kind, sampler=speculax.InverseCDF(axis_name="vocab"))
+
+    class Normalising(speculax.AbstractSiblingRule):
+        takes_out_one_hot_drafts = False
+        subtracts_a_kept_draft = False
+        elementwise = False
+
+        def __call__(self, target, draft, rejected):
+            left = jax.numpy.maximum(target - draft, 0)
+            return left / jax.numpy.sum(left), draft
+
+    split = {"sampler": speculax.InverseCDF(axis_name="vocab"), "axis_name": "vocab"}
+    with pytest.raises(ValueError, match="Normalising, is not elementwise"):
+        _step(kind, Normalising(), **split)
+    # On whole rows it runs anywhere; on a split one the built-in rules do.
+    _step(kind, Normalising())
+    _step(kind, speculax.SiblingsWithoutReplacement(), **split)

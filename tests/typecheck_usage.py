@@ -129,9 +129,12 @@ def main() -> None:
     acceptance: speculax.AbstractAcceptance = retuned.acceptance
     assert isinstance(acceptance, ThresholdAcceptance)
 
-    # A tree step split over the batch axis of a mesh returns a TreeOutput.
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    on_mesh = speculax.sharded_step(speculax.TreeStep(), mesh, batch_axis="data")
+    # A tree step split over the batch and the vocabulary of a mesh returns a
+    # TreeOutput.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("b", "v"))
+    on_mesh = speculax.sharded_step(
+        speculax.TreeStep(), mesh, batch_axis="b", vocab_axis="v"
+    )
     tree_probs = jnp.full((1, 3, 4), 0.25)
     walked: speculax.TreeOutput = on_mesh(
         [[0, 1]], [[2, 3]], tree_probs, tree_probs, key=jax.random.key(1)

@@ -56,7 +56,7 @@ def sharded_step(
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
-    vocab_axis: None = None,
+    vocab_axis: str | None = None,
     with_result: Literal[False] = False,
 ) -> Callable[..., TreeOutput]: ...
 
@@ -67,7 +67,7 @@ def sharded_step(
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
-    vocab_axis: None = None,
+    vocab_axis: str | None = None,
     with_result: Literal[True],
 ) -> Callable[..., tuple[TreeOutput, RESULTS]]: ...
 
@@ -102,10 +102,16 @@ def sharded_step(
     other than `vocab_axis` is refused either way: it would reduce over the wrong
     devices.
 
-    A tree step ([`speculax.TreeStep`][], [`speculax.TraversalStep`][]) runs with a
-    batch axis only: each device walks its own trees, with no communication, and
-    the outputs are bit for bit those on one device. Its walks read whole rows, so
-    a vocabulary axis is refused.
+    A tree step ([`speculax.TreeStep`][], [`speculax.TraversalStep`][],
+    [`speculax.greedy_tree_step`][]) splits both too. With a batch axis only, each
+    device walks its own trees, with no communication. With a vocabulary axis, the
+    step and its sampler are given `vocab_axis` as their `axis_name` (the sibling
+    rule must be `elementwise`), and the devices of a row walk its tree together:
+    the $2 B N$ probabilities of the draft tokens are read once (`psum`), and a
+    failed test exchanges one number per value read at a token (`psum`), per bad
+    value check (`pmax`), and the $\\lceil V / 256 \\rceil$ block sums of each row
+    it sums (`all_gather`), as does the final draw. Outputs are bit for bit those on
+    one device, under the same condition as for the chain step.
 
     **Arguments:**
 
@@ -115,7 +121,7 @@ def sharded_step(
     - `batch_axis`: keyword only, the name of the mesh axis that shards the batch, or
         `None`.
     - `vocab_axis`: keyword only, the name of the mesh axis that shards the
-        vocabulary, or `None` (always, for a tree step).
+        vocabulary, or `None`.
     - `with_result`: keyword only, whether the function returns each row's
         outcome beside the output, as [`speculax.SpeculativeStep.with_result`][]
         does. Default `False`.
@@ -134,8 +140,9 @@ def sharded_step(
     **Raises:**
 
     `TypeError` for a `step` of another kind. `ValueError`, at once, for an axis
-    name that is not in the mesh or given twice, a piece that cannot split the
-    vocabulary, or a vocabulary axis for a tree step; when called, for the
+    name that is not in the mesh or given twice, or a piece that cannot split the
+    vocabulary (for a tree step, a sibling rule that is not elementwise); when
+    called, for the
     structure errors of the single-device step, and a batch or vocabulary not
     divisible by the size of its axis. The value checks run as in the
     single-device step, on every device, after the last collective.
@@ -229,27 +236,17 @@ def _tree_step_on_mesh(
     batch_axis: str | None,
     vocab_axis: str | None,
 ) -> Callable[..., tuple[TreeOutput, RESULTS]]:
-    """`sharded_step` for a tree step, batch axis only, returning the output and the
-    result."""
-    if vocab_axis is not None:
-        raise ValueError(
-            f"{type(step).__name__} walks whole rows, so it cannot split the "
-            f"vocabulary: vocab_axis must be None for a tree step; got {vocab_axis!r}"
-        )
-    names = (
-        "parents",
-        "tree_tokens",
-        "draft_probs",
-        "target_probs",
-        "accept_uniforms",
-        "sample_uniforms",
-    )
-    run = _run_on_mesh(
-        step.with_result,
-        mesh,
-        {name: PartitionSpec(batch_axis) for name in names},
-        batch_axis,
-    )
+    """`sharded_step` for a tree step, returning the output and the result."""
+    step = _tree_on_vocab_axis(step, vocab_axis)
+    specs = {
+        "parents": PartitionSpec(batch_axis),
+        "tree_tokens": PartitionSpec(batch_axis),
+        "draft_probs": PartitionSpec(batch_axis, None, vocab_axis),
+        "target_probs": PartitionSpec(batch_axis, None, vocab_axis),
+        "accept_uniforms": PartitionSpec(batch_axis),
+        "sample_uniforms": PartitionSpec(batch_axis),
+    }
+    run = _run_on_mesh(step.with_result, mesh, specs, batch_axis)
 
     def sharded(
         parents: InputArray,
@@ -271,6 +268,7 @@ def _tree_step_on_mesh(
             parents=parents,
         )
         _check_divisible("batch", batch_axis, given.tokens.shape[0], mesh)
+        _check_divisible("vocab", vocab_axis, given.target.shape[-1], mesh)
         # Drawn for the whole batch, as on one device, before the rows are split.
         accept, sample = given.uniforms(key, step._uniform_readers)
         return run(
@@ -344,20 +342,58 @@ def _on_vocab_axis(step: SpeculativeStep, vocab_axis: str | None) -> Speculative
         "residual": step.residual,
         "sampler": step.sampler,
     }
-    for field, piece in pieces.items():
-        if piece.axis_name == vocab_axis:
-            continue
-        if piece.axis_name is not None:
-            raise ValueError(
-                f"step.{field} splits the vocabulary over {piece.axis_name!r}, but "
-                f"vocab_axis is {vocab_axis!r}"
-            )
-        # A piece that reads whole rows fixes its axis_name at None: a field with
-        # init=False, or a class variable.
-        if not any(f.name == "axis_name" and f.init for f in dataclasses.fields(piece)):
-            raise ValueError(
-                f"step.{field}, {type(piece).__name__}, cannot split the vocabulary: "
-                "its axis_name is fixed, not a field set at construction"
-            )
-        pieces[field] = dataclasses.replace(piece, axis_name=vocab_axis)
-    return dataclasses.replace(step, **pieces)
+    return dataclasses.replace(
+        step,
+        **{
+            field: _on_axis(f"step.{field}", piece, vocab_axis)
+            for field, piece in pieces.items()
+        },
+    )
+
+
+def _tree_on_vocab_axis(
+    step: AbstractTreeStep, vocab_axis: str | None
+) -> AbstractTreeStep:
+    """`step` and its sampler with `vocab_axis` as their `axis_name`; a `ValueError`
+    as for `_on_vocab_axis`, or for a sibling rule that is not elementwise when the
+    vocabulary is split."""
+    if vocab_axis is not None and not step.siblings.elementwise:
+        raise ValueError(
+            f"step.siblings, {type(step.siblings).__name__}, is not elementwise, so "
+            f"it cannot split the vocabulary over vocab_axis {vocab_axis!r}"
+        )
+    _check_no_other_axis("step", step.axis_name, vocab_axis)
+    return dataclasses.replace(
+        step,
+        sampler=_on_axis("step.sampler", step.sampler, vocab_axis),
+        axis_name=vocab_axis,
+    )
+
+
+def _on_axis(name: str, module: Any, vocab_axis: str | None) -> Any:
+    """`module`, named `name`, with `vocab_axis` as its `axis_name`; a `ValueError`
+    where it names another axis, or where it cannot split the vocabulary when it
+    is split."""
+    if module.axis_name == vocab_axis:
+        return module
+    _check_no_other_axis(name, module.axis_name, vocab_axis)
+    # A piece that reads whole rows fixes its axis_name at None: a field with
+    # init=False, or a class variable.
+    if not any(f.name == "axis_name" and f.init for f in dataclasses.fields(module)):
+        raise ValueError(
+            f"{name}, {type(module).__name__}, cannot split the vocabulary: "
+            "its axis_name is fixed, not a field set at construction"
+        )
+    return dataclasses.replace(module, axis_name=vocab_axis)
+
+
+def _check_no_other_axis(
+    name: str, axis_name: str | None, vocab_axis: str | None
+) -> None:
+    """A `ValueError` where `name` splits the vocabulary over another axis than
+    `vocab_axis`: it would reduce over the wrong devices."""
+    if axis_name not in (None, vocab_axis):
+        raise ValueError(
+            f"{name} splits the vocabulary over {axis_name!r}, but vocab_axis is "
+            f"{vocab_axis!r}"
+        )

@@ -514,6 +514,7 @@ class _SiblingsOnRows(AbstractSiblingRule):
 
     takes_out_one_hot_drafts: ClassVar[bool] = False
     subtracts_a_kept_draft: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = True
 
     def __call__(
         self,

@@ -44,24 +44,63 @@ def probs_at_tokens(
     in the two users are merged by XLA. On a split vocabulary the device that holds a
     token reads it and the others add zeros, so the sum over devices is exact.
     """
-    batch, num_draft = draft_tokens.shape
-    shard_vocab = target_probs.shape[-1]
-    local_token = draft_tokens - vocab_offset(shard_vocab, axis_name)
-    owned = (local_token >= 0) & (local_token < shard_vocab)
-    local_token = jnp.clip(local_token, 0, shard_vocab - 1)
-    rows = jnp.arange(batch)[:, None]
-    positions = jnp.arange(num_draft)[None, :]
-
-    def at_tokens(probs):
-        value = upcast(probs[rows, positions, local_token])
-        if axis_name is None:
-            return value
-        return jax.lax.psum(jnp.where(owned, value, 0), axis_name)
-
-    target = at_tokens(target_probs)
+    positions = jnp.arange(draft_tokens.shape[1])[None, :]
+    target = values_at(target_probs, positions, draft_tokens, axis_name=axis_name)
     if draft_probs is None:
         return target, jnp.ones_like(target)
-    return target, at_tokens(draft_probs)
+    return target, values_at(draft_probs, positions, draft_tokens, axis_name=axis_name)
+
+
+def values_at(
+    probs: Float[Array, "batch positions vocab"],
+    positions: Int[Array, "#batch points"],
+    tokens: Int[Array, "batch points"],
+    *,
+    axis_name: str | None,
+) -> Float[Array, "batch points"]:
+    """`probs[b, positions[b, k], tokens[b, k]]`, upcast, by one point gather (the
+    tokens in `[0, V)`)."""
+    index, owned = _in_slice(tokens, probs.shape[-1], axis_name)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return _from_owner(upcast(probs[rows, positions, index]), owned, axis_name)
+
+
+def local_token(
+    token: Int[Array, "*rows"], shard_vocab: int, axis_name: str | None
+) -> Int[Array, "*rows"]:
+    """The index of `token` (in `[0, V)`) into this device's slice of the
+    vocabulary: outside `[0, V / d)` on the devices that do not hold it."""
+    return token - vocab_offset(shard_vocab, axis_name)
+
+
+def value_at_token(
+    x: Float[Array, "*rows vocab"], token: Int[Array, "*rows"], axis_name: str | None
+) -> Float[Array, "*rows"]:
+    """Each row of `x` at its `token` (in `[0, V)`). On a split vocabulary the
+    device that holds the token reads it and the others add zeros, so the sum over
+    devices is exact."""
+    index, owned = _in_slice(token, x.shape[-1], axis_name)
+    value = jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+    return _from_owner(value, owned, axis_name)
+
+
+def _in_slice(
+    token: Int[Array, "*rows"], shard_vocab: int, axis_name: str | None
+) -> tuple[Int[Array, "*rows"], Bool[Array, "*rows"]]:
+    """Where `token` lies in this device's slice (clipped into it), and whether the
+    slice holds it."""
+    local = local_token(token, shard_vocab, axis_name)
+    owned = (local >= 0) & (local < shard_vocab)
+    return jnp.clip(local, 0, shard_vocab - 1), owned
+
+
+def _from_owner(
+    value: Float[Array, "*rows"], owned: Bool[Array, "*rows"], axis_name: str | None
+) -> Float[Array, "*rows"]:
+    """The `value` that the device holding each token read, on every device."""
+    if axis_name is None:
+        return value
+    return jax.lax.psum(jnp.where(owned, value, 0), axis_name)
 
 
 def one_hot_over_vocab(

@@ -26,12 +26,19 @@ from .._core._numerics import (
     upcast,
 )
 from .._core._row_strategy import rows_one_at_a_time
-from .._core._vocab_axis import first_argmax_over_vocab, ordered_row_sums
+from .._core._vocab_axis import (
+    any_over_vocab,
+    first_argmax_over_vocab,
+    full_vocab,
+    gather_blocks,
+    ordered_row_sums,
+)
 from .._inputs._coercion import coerce_inputs, uniform_reader
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._pieces._sampling import AbstractBlockSumSampler, AbstractSampler, block_reader
 from .._pieces._stopping_rows import summation_lanes
+from ._rows import TreeRows, tree_rows
 from ._siblings import AbstractSiblingRule
 from ._taken_out import draw_taken_out
 from ._walk import TreeWalk, start_walk
@@ -62,8 +69,11 @@ class AbstractTreeStep(eqx.Module):
     step's own.
 
     Every tree step has a sibling rule (what a rejected child leaves for the
-    distributions it was tested against), a sampler, a depth limit and the flags of
-    [`speculax.SpeculativeStep`][]. The concrete steps are final.
+    distributions it was tested against), a sampler, a depth limit, the flags of
+    [`speculax.SpeculativeStep`][], and `axis_name`: inside `jax.shard_map`, the
+    mesh axis the vocabulary is split over, or `None` (the rows are whole). With
+    an axis, the sampler names the same one and the sibling rule is `elementwise`;
+    [`speculax.sharded_step`][] sets both. The concrete steps are final.
     """
 
     siblings: eqx.AbstractVar[AbstractSiblingRule]
@@ -71,14 +81,24 @@ class AbstractTreeStep(eqx.Module):
     max_depth: eqx.AbstractVar[int | None]
     check_values: eqx.AbstractVar[bool]
     throw: eqx.AbstractVar[bool]
+    axis_name: eqx.AbstractVar[str | None]
 
     def __check_init__(self):
         if self.max_depth is not None:
             check_static_int("max_depth", self.max_depth, minimum=1)
         if not self.check_values and not self.throw:
             raise ValueError("throw=False needs check_values=True")
-        if self.sampler.axis_name is not None:
-            raise ValueError("the tree step reads whole rows; got a sampler axis_name")
+        if self.sampler.axis_name != self.axis_name:
+            raise ValueError(
+                f"the sampler must split the vocabulary over the step's axis_name "
+                f"{self.axis_name!r}; got sampler.axis_name "
+                f"{self.sampler.axis_name!r}"
+            )
+        if self.axis_name is not None and not self.siblings.elementwise:
+            raise ValueError(
+                f"siblings, {type(self.siblings).__name__}, is not elementwise, so "
+                "it cannot run on a slice of the vocabulary: axis_name must be None"
+            )
 
     def __call__(
         self,
@@ -164,34 +184,24 @@ class AbstractTreeStep(eqx.Module):
         draft_probs, target_probs = inputs.draft, inputs.target
         batch, num_nodes = parents.shape
         max_depth = num_nodes if self.max_depth is None else self.max_depth
-        vocab = target_probs.shape[-1]
-
-        most_likely = None
-        if self._reads_most_likely:
-            most_likely, _ = first_argmax_over_vocab(target_probs, None)
-
-        def one_tree(b):
-            return self._walk(
-                max_depth,
-                b,
-                parents,
-                tree_tokens,
-                draft_probs,
-                target_probs,
-                accept_uniforms,
-                most_likely,
-            )
+        shard_vocab = target_probs.shape[-1]
+        vocab = full_vocab(shard_vocab, self.axis_name)
 
         if batch == 0 or num_nodes == 0:
             # Every walk ends at the root before it starts; and the walks' loops,
             # traced even for no rows or no nodes, would index empty arrays.
             dtype = arithmetic_dtype(draft_probs, target_probs)
-            start = start_walk(vocab, dtype, max_depth)
+            start = start_walk(shard_vocab, dtype, max_depth)
             walks = jax.tree.map(
                 lambda x: jnp.broadcast_to(x, (batch, *x.shape)), start
             )
         else:
-            walks = _walk_every_tree(one_tree, batch)
+            rows = self._rows(
+                parents, tree_tokens, draft_probs, target_probs, accept_uniforms
+            )
+            walks = _walk_every_tree(
+                lambda b: self._walk(max_depth, parents, rows.row(b)), batch
+            )
         drawn, row_failures = self._draw(
             walks, parents, tree_tokens, draft_probs, target_probs, sample_uniforms
         )
@@ -219,6 +229,33 @@ class AbstractTreeStep(eqx.Module):
             output, result, check_values=self.check_values, throw=self.throw
         )
 
+    def _rows(
+        self,
+        parents: Int[Array, "batch nodes"],
+        tree_tokens: Int[Array, "batch nodes"],
+        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
+        target_probs: Float[Array, "batch nodes+1 vocab"],
+        accept_uniforms: Float[Array, "batch nodes"],
+    ) -> TreeRows:
+        """The batch's inputs as the walks read them: the draft rows where the walk
+        reads them (`_reads_draft_probs`), each target row's most likely token
+        where it reads that (`_reads_most_likely`)."""
+        if not self._reads_draft_probs:
+            draft_probs = None
+        most_likely = None
+        if self._reads_most_likely:
+            most_likely, _ = first_argmax_over_vocab(target_probs, self.axis_name)
+        return tree_rows(
+            parents,
+            tree_tokens,
+            draft_probs,
+            target_probs,
+            accept_uniforms,
+            arithmetic_dtype(draft_probs, target_probs),
+            most_likely,
+            self.axis_name,
+        )
+
     @property
     def _uniform_readers(self) -> tuple[str | None, str | None]:
         """What reads `accept_uniforms` and `sample_uniforms`, for drawing them
@@ -237,23 +274,20 @@ class AbstractTreeStep(eqx.Module):
         """Whether the walk reads each target row's most likely token, found for
         every row once, before the walks."""
 
+    @property
+    @abc.abstractmethod
+    def _reads_draft_probs(self) -> bool:
+        """Whether the walk reads `draft_probs`; where it does not, it walks the
+        drafts as deterministic."""
+
     @abc.abstractmethod
     def _walk(
-        self,
-        max_depth: int,
-        b: Int[Array, ""],
-        parents: Int[Array, "batch nodes"],
-        tree_tokens: Int[Array, "batch nodes"],
-        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
-        target_probs: Float[Array, "batch nodes+1 vocab"],
-        accept_uniforms: Float[Array, "batch nodes"],
-        most_likely: Int[Array, "batch nodes+1"] | None,
+        self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
     ) -> TreeWalk:
-        """The walk over row `b`'s tree, of at least one node, reading the arrays of
-        the whole batch in place. `parents` hold -1 for unused slots and are
-        otherwise valid where the checks pass (what they return for bad parents is
-        discarded); nodes deeper than `max_depth` are ignored. `most_likely` holds
-        each row's most likely target token where `_reads_most_likely`, else `None`.
+        """The walk over the tree of row `rows.b`, of at least one node, reading the
+        arrays of the whole batch in place. `parents` hold -1 for unused slots and
+        are otherwise valid where the checks pass (what they return for bad parents
+        is discarded); nodes deeper than `max_depth` are ignored.
 
         **Returns:**
 
@@ -290,12 +324,17 @@ class AbstractTreeStep(eqx.Module):
         if walks.takes_out:
             # The walk read no row whole: the one drawn from is checked here.
             drawn, total, bad_row = draw_taken_out(
-                draw, walks, parents, tree_tokens, own_row
+                draw, walks, parents, tree_tokens, own_row, self.axis_name
             )
         else:
             weights = jnp.where(walks.updated[:, None], walks.target, own_row)
             drawn, total = draw(weights)
-            bad_row = jnp.any(not_a_probability(weights), axis=-1)
+            # Only the rows as given: a bad value in what the rejected children
+            # left came from the node's rows, checked at its first loss, and
+            # named there (a NaN in q leaves NaN in the target drawn from).
+            bad_row = ~walks.updated & any_over_vocab(
+                jnp.any(not_a_probability(weights), axis=-1), self.axis_name
+            )
         failures = [
             (walks.bad_target_row | bad_row, RESULTS.bad_target_row),
             (walks.bad_draft_row, RESULTS.bad_draft_row),
@@ -312,22 +351,23 @@ class AbstractTreeStep(eqx.Module):
     ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
         """The token the sampler draws from each row of `weights`, and the row's
         total, summed in `lanes` lanes for a sampler that draws from block sums."""
-        vocab = weights.shape[-1]
+        shard_vocab = weights.shape[-1]
         if isinstance(self.sampler, AbstractBlockSumSampler):
             # The draw's block sums serve the overflow check too: summing the rows
             # apart would cost two (B, V) temporaries.
-            block_size = min(self.sampler.block_size, vocab)
+            block_size = min(self.sampler.block_size, shard_vocab)
             block_mass = ordered_block_sums(weights, block_size, lanes)
-            total = ordered_block_sums(block_mass, block_mass.shape[-1], lanes=8)[:, 0]
+            blocks = gather_blocks(block_mass, self.axis_name)
+            total = ordered_block_sums(blocks, blocks.shape[-1], lanes=8)[:, 0]
             drawn = self.sampler.draw_from_block_sums(
                 block_mass,
                 block_reader(weights, block_size),
                 block_size,
-                vocab,
+                shard_vocab,
                 sample_uniforms,
             )
             return drawn, total
-        total = ordered_row_sums(weights, None)
+        total = ordered_row_sums(weights, self.axis_name)
         drawn = self.sampler(weights, sample_uniforms)
         return drawn, total[..., 0] if total.ndim > 1 else total
 

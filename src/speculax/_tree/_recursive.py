@@ -8,15 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._core._failures import (
-    holds_bad_values,
-    not_a_probability,
-)
-from .._core._numerics import (
-    arithmetic_dtype,
-    flush_subnormal,
-)
-from .._core._vocab_axis import ordered_row_sums
+from .._core._failures import not_a_probability
+from .._core._numerics import flush_subnormal
 from .._pieces._sampling import AbstractSampler, Argmax, InverseCDF
 from ._abstract import AbstractTreeStep
 from ._child_tests import AbstractChildTest, GreedyChildTest, RatioChildTest
@@ -51,6 +44,9 @@ class TreeStep(AbstractTreeStep):
         or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
         ignored.
     - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    - `axis_name`: keyword only, inside `jax.shard_map` the mesh axis the
+        vocabulary is split over, the sampler's too; or `None` (the default).
+        [`speculax.sharded_step`][] sets it.
     """
 
     siblings: AbstractSiblingRule = IndependentSiblings()
@@ -59,6 +55,7 @@ class TreeStep(AbstractTreeStep):
     max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     @property
     def _coin_reader(self) -> str | None:
@@ -68,33 +65,17 @@ class TreeStep(AbstractTreeStep):
     def _reads_most_likely(self) -> bool:
         return self.child_test.reads_most_likely
 
+    @property
+    def _reads_draft_probs(self) -> bool:
+        return self.child_test.reads_draft_probs
+
     def _walk(
-        self,
-        max_depth: int,
-        b: Int[Array, ""],
-        parents: Int[Array, "batch nodes"],
-        tree_tokens: Int[Array, "batch nodes"],
-        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
-        target_probs: Float[Array, "batch nodes+1 vocab"],
-        accept_uniforms: Float[Array, "batch nodes"],
-        most_likely: Int[Array, "batch nodes+1"] | None,
+        self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
     ) -> TreeWalk:
-        """The walk of row `b`: every node is visited once, in index order, and
-        tested when its parent is the current node (parents come first, so the
-        children of a node all follow it). Only a failed test reads whole rows."""
-        if not self.child_test.reads_draft_probs:
-            draft_probs = None
-        vocab = target_probs.shape[-1]
-        dtype = arithmetic_dtype(draft_probs, target_probs)
-        rows = TreeRows(
-            b,
-            tree_tokens,
-            draft_probs,
-            target_probs,
-            accept_uniforms,
-            dtype,
-            most_likely,
-        )
+        """Every node is visited once, in index order, and tested when its parent
+        is the current node (parents come first, so the children of a node all
+        follow it). Only a failed test reads whole rows."""
+        b, tree_tokens = rows.b, rows.tree_tokens
 
         def visit(j, walk: TreeWalk) -> TreeWalk:
             token = tree_tokens[b, j]
@@ -120,8 +101,8 @@ class TreeStep(AbstractTreeStep):
                 return take_out(target_left, walk)
             return _reject(self.siblings, rows, token, walk)
 
-        takes_out = draft_probs is None and self.siblings.takes_out_one_hot_drafts
-        start = start_walk(vocab, dtype, max_depth, takes_out=takes_out)
+        takes_out = rows.draft_probs is None and self.siblings.takes_out_one_hot_drafts
+        start = start_walk(rows.shard_vocab, rows.dtype, max_depth, takes_out=takes_out)
         return jax.lax.fori_loop(0, parents.shape[1], visit, start)
 
 
@@ -138,15 +119,15 @@ def _test_child(
     checks of the values read at the token, whether the child passed, and the
     current target at the token, unnormalised."""
     at = jnp.clip(token, 0, rows.vocab - 1)
-    raw_target, raw_draft = rows.given_at(walk.current, at)
+    raw_target, raw_draft = rows.given_at(j + 1)
     if walk.takes_out:
         target_left = left_at(rows, parents, j, at, raw_target, walk)
         draft_at = raw_draft
     else:
-        target_left = walk.target[at]
-        draft_at = jnp.where(
-            walk.updated & (rows.draft_probs is not None), walk.draft[at], raw_draft
-        )
+        target_left = rows.at_token(walk.target, at)
+        draft_at = raw_draft
+        if rows.draft_probs is not None:
+            draft_at = jnp.where(walk.updated, rows.at_token(walk.draft, at), raw_draft)
     target_at = jnp.where(walk.updated, target_left / walk.target_mass, raw_target)
     walk = eqx.tree_at(
         lambda w: (w.bad_target, w.bad_draft),
@@ -198,14 +179,14 @@ def _reject(
         draft = own_draft
     else:
         draft = jnp.where(walk.updated, walk.draft, own_draft)
-    left, draft = siblings(target, draft, token)
+    left, draft = siblings(target, draft, rows.local(token))
     # A difference of two normal numbers can be subnormal: it counts as zero.
     left = flush_subnormal(left)
-    mass = ordered_row_sums(left, None)
+    mass = rows.mass(left)
     fallback = mass == 0
     left = jnp.where(fallback, own_target, left)
-    mass = jnp.where(fallback, ordered_row_sums(left, None), mass)
-    draft_mass = ordered_row_sums(draft, None)
+    mass = jnp.where(fallback, rows.mass(left), mass)
+    draft_mass = rows.mass(draft)
     draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
     # The node's rows as given are checked whole at its first failed test: a bad
     # value anywhere in them would reach the draw.
@@ -226,8 +207,8 @@ def _reject(
             left,
             mass,
             draft,
-            walk.bad_target_row | (first & holds_bad_values(own_target, axis=None)),
-            walk.bad_draft_row | (first & holds_bad_values(own_draft, axis=None)),
+            walk.bad_target_row | (first & rows.holds_bad(own_target)),
+            walk.bad_draft_row | (first & rows.holds_bad(own_draft)),
             walk.overflow | jnp.isinf(mass),
         ),
     )

@@ -28,7 +28,7 @@ class AbstractSiblingRule(eqx.Module):
     $(p', q')$, unnormalised; the step normalises them. Which rule is lossless
     depends on how the children were drawn: the rule must match the drafter.
 
-    Every rule states two class variables:
+    Every rule states three class variables:
 
     - `takes_out_one_hot_drafts`: whether, given as $q$ the one-hot of the rejected
         token $c$ (deterministic drafts, `draft_probs=None`), the rule leaves
@@ -44,12 +44,18 @@ class AbstractSiblingRule(eqx.Module):
         per node (`docs/keeping_more.md`, "What it costs"). A rule that
         does anything else states `False`, and the traversal keeps rows for it
         (of its target and of its draft).
+    - `elementwise`: whether $(p', q')$ at each token depends only on $p$ and $q$
+        at that token and on whether it is the rejected one. Only such a rule can
+        run on a slice of the vocabulary ([`speculax.sharded_step`][] with a
+        `vocab_axis`); a rule that reads its rows whole (a sum, a maximum) states
+        `False`, and a step with an `axis_name` refuses it.
 
     The concrete rules are final: to change one, wrap it in a piece of your own.
     """
 
     takes_out_one_hot_drafts: AbstractClassVar[bool]
     subtracts_a_kept_draft: AbstractClassVar[bool]
+    elementwise: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def __call__(
@@ -66,7 +72,10 @@ class AbstractSiblingRule(eqx.Module):
             mass $r$.
         - `draft`: $q$, the node's current draft distribution, normalised; for
             deterministic drafts the one-hot of the rejected token.
-        - `rejected`: $c$, the token of the child that failed.
+        - `rejected`: $c$, the token of the child that failed, as an index into
+            the rows given. On a split vocabulary the rows are one device's slice,
+            and `rejected` is relative to its first token: outside the rows on
+            the devices that do not hold it.
 
         **Returns:**
 
@@ -87,6 +96,7 @@ class IndependentSiblings(AbstractSiblingRule):
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
     subtracts_a_kept_draft: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = True
 
     def __call__(
         self,
@@ -109,6 +119,7 @@ class SiblingsWithoutReplacement(AbstractSiblingRule):
 
     takes_out_one_hot_drafts: ClassVar[bool] = True
     subtracts_a_kept_draft: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = True
 
     def __call__(
         self,

@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import not_a_probability
 from .._core._numerics import flush_subnormal
+from .._core._vocab_axis import full_vocab, local_token
 from ._rows import TreeRows
 from ._walk import TreeWalk
 
@@ -57,6 +58,7 @@ def draw_taken_out(
     parents: Int[Array, "batch nodes"],
     tree_tokens: Int[Array, "batch nodes"],
     own_row: Float[Array, "batch vocab"],
+    axis_name: str | None,
 ) -> tuple[Int[Array, " batch"], Float[Array, " batch"], Bool[Array, " batch"]]:
     """The final tokens, `(B,)`, the totals of the weights drawn from, `(B,)`, by
     `draw` (the step's sampler), and whether each row drawn from holds a bad value
@@ -65,14 +67,21 @@ def draw_taken_out(
     children, every one rejected, taken out and subnormal values counting as zero;
     the others from `own_row` as given. Where nothing is left (the mass left, one
     less the probabilities taken out, may round above what the row holds), the row
-    draws again from `own_row`, as the sibling rule's residual falls back to it."""
-    batch, vocab = own_row.shape
+    draws again from `own_row`, as the sibling rule's residual falls back to it.
+    On a split vocabulary (`axis_name`), `own_row` is this device's slice, and each
+    device masks the tokens it holds."""
+    batch, shard_vocab = own_row.shape
     children = parents == walks.current[:, None]
-    index = jnp.where(children, jnp.clip(tree_tokens, 0, vocab - 1), vocab)
+    vocab = full_vocab(shard_vocab, axis_name)
+    index = local_token(jnp.clip(tree_tokens, 0, vocab - 1), shard_vocab, axis_name)
+    # Past the slice where the token is not a child's or not on this device.
+    index = jnp.where(children & (index >= 0), index, shard_vocab)
     rows = jnp.arange(batch)[:, None]
     # A mask of bytes: the weights are made from it and the row in the passes
     # that read them, and made again only for a draw again.
-    taken_out = jnp.zeros((batch, vocab), bool).at[rows, index].set(True, mode="drop")
+    taken_out = (
+        jnp.zeros((batch, shard_vocab), bool).at[rows, index].set(True, mode="drop")
+    )
 
     def weights(given: Bool[Array, " batch"]) -> Float[Array, "batch vocab"]:
         left = jnp.where(taken_out, 0, flush_subnormal(own_row))

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._core._failures import holds_bad_values, not_a_probability
-from .._core._numerics import arithmetic_dtype, flush_subnormal
+from .._core._failures import not_a_probability
+from .._core._numerics import flush_subnormal
 from .._core._rows import read_probs_row
-from .._core._vocab_axis import ordered_row_sums
 from .._pieces._block import block_continuation, next_ratio
 from .._pieces._sampling import AbstractSampler, InverseCDF
 from ._abstract import AbstractTreeStep
@@ -126,6 +125,7 @@ class TraversalStep(AbstractTreeStep):
         or `None` (the default) for the number of draft nodes $N$. Nodes deeper are
         ignored.
     - `check_values`, `throw`: keyword only, as for [`speculax.SpeculativeStep`][].
+    - `axis_name`: keyword only, as for [`speculax.TreeStep`][].
     """
 
     siblings: AbstractSiblingRule = IndependentSiblings()
@@ -133,6 +133,7 @@ class TraversalStep(AbstractTreeStep):
     max_depth: int | None = eqx.field(static=True, default=None, kw_only=True)
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     @property
     def _coin_reader(self) -> str | None:
@@ -142,16 +143,12 @@ class TraversalStep(AbstractTreeStep):
     def _reads_most_likely(self) -> bool:
         return False
 
+    @property
+    def _reads_draft_probs(self) -> bool:
+        return True
+
     def _walk(
-        self,
-        max_depth: int,
-        b: Int[Array, ""],
-        parents: Int[Array, "batch nodes"],
-        tree_tokens: Int[Array, "batch nodes"],
-        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
-        target_probs: Float[Array, "batch nodes+1 vocab"],
-        accept_uniforms: Float[Array, "batch nodes"],
-        most_likely: Int[Array, "batch nodes+1"] | None,
+        self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
     ) -> TreeWalk:
         """One event per loop iteration, entering a node or testing one: at most
         two per node and one for the root. Only a failed test reads whole rows.
@@ -159,14 +156,9 @@ class TraversalStep(AbstractTreeStep):
         `_advance` enters and tests nodes until a test fails, `_delete` deletes the
         failed node and updates its parent, until a node passes; `_walk_end` reads
         where the walk ended."""
-        del most_likely
-        vocab = target_probs.shape[-1]
-        dtype = arithmetic_dtype(draft_probs, target_probs)
+        vocab, dtype, draft_probs = rows.shard_vocab, rows.dtype, rows.draft_probs
         start = start_walk(vocab, dtype, max_depth)
-        links = _tree_links(parents[b], max_depth)
-        rows = TreeRows(
-            b, tree_tokens, draft_probs, target_probs, accept_uniforms, dtype
-        )
+        links = _tree_links(parents[rows.b], max_depth)
 
         # Both loops take the same branch functions, so JAX traces them once.
         test = functools.partial(_test, rows, links)
@@ -259,10 +251,7 @@ def _enter_from_given_rows(
 ) -> _Position:
     """Enters `position.node` from a parent that has lost no child, whose rows are
     the inputs as given."""
-    child = position.node
-    parent = position.path[links.depth[child] - 1]
-    token = rows.token_of(child)
-    raw_target, raw_draft = rows.given_at(parent, token)
+    raw_target, raw_draft = rows.given_at(position.node)
     return _enter(links, position, raw_target, raw_draft, raw_target, raw_draft)
 
 
@@ -360,10 +349,10 @@ def _apply_the_rule(
     rule applied to the parent's current distributions, the target scaled by its
     $\\alpha$ `ratio`; returns the excess's mass and `left` updated."""
     tested = _tested_against(rows, left, parent, parent_depth, token, first)
-    excess, draft = siblings(ratio * tested.target, tested.draft, token)
+    excess, draft = siblings(ratio * tested.target, tested.draft, rows.local(token))
     # A difference of two normal numbers can be subnormal: it counts as zero.
     excess = flush_subnormal(excess)
-    mass = ordered_row_sums(excess, None)
+    mass = rows.mass(excess)
     left = _record_left(rows, left, parent, parent_depth, tested, excess, mass, draft)
     return mass, left
 
@@ -402,10 +391,8 @@ def _tested_against(
         own_target, own_draft = rows.own_rows(parent, token)
         bad_draft = no_value
         if rows.draft_probs is not None:
-            bad_draft = holds_bad_values(own_draft, axis=None)
-        return _Tested(
-            own_target, own_draft, holds_bad_values(own_target, axis=None), bad_draft
-        )
+            bad_draft = rows.holds_bad(own_draft)
+        return _Tested(own_target, own_draft, rows.holds_bad(own_target), bad_draft)
 
     def later_loss(target: Float[Array, " vocab"]) -> _Tested:
         if left.draft is None:
@@ -442,33 +429,56 @@ def _record_left(
     probabilities; and the checks of what it read: the parent's rows as given, and
     whether the excess summed past the largest float."""
     assert left.target is not None
+    target_rows = left.target.at[parent_depth].set(excess)
     draft_rows = left.draft
     if draft_rows is not None:
-        draft_mass = ordered_row_sums(draft, None)
+        draft_mass = rows.mass(draft)
         normalised = jnp.where(draft_mass > 0, draft / draft_mass, 0)
         draft_rows = draft_rows.at[parent_depth].set(normalised)
-    kept_mass, fell_back = _mass_kept(rows, parent, mass)
+    left = _loss_recorded(
+        left,
+        parent_depth,
+        mass,
+        *_mass_kept(rows, parent, mass),
+        tested.bad_target,
+        tested.bad_draft,
+    )
+    return eqx.tree_at(
+        lambda x: (x.target, x.draft),
+        left,
+        (target_rows, draft_rows),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _loss_recorded(
+    left: _Left,
+    parent_depth: Int[Array, ""],
+    mass: Float[Array, ""],
+    kept_mass: Float[Array, ""],
+    fell_back: Bool[Array, ""],
+    bad_target: Bool[Array, ""],
+    bad_draft: Bool[Array, ""],
+) -> _Left:
+    """`left` with what either form records of a deletion at the parent's depth:
+    the mass kept and whether it fell back (`_mass_kept`), the bad values its rows
+    showed, and whether the excess's `mass` summed past the largest float."""
     return eqx.tree_at(
         lambda x: (
-            x.target,
             x.target_mass,
             x.fell_back,
-            x.draft,
             x.bad_target_row,
             x.bad_draft_row,
             x.overflow,
         ),
         left,
         (
-            left.target.at[parent_depth].set(excess),
             left.target_mass.at[parent_depth].set(kept_mass),
             left.fell_back.at[parent_depth].set(fell_back),
-            draft_rows,
-            left.bad_target_row | tested.bad_target,
-            left.bad_draft_row | tested.bad_draft,
+            left.bad_target_row | bad_target,
+            left.bad_draft_row | bad_draft,
             left.overflow | jnp.isinf(mass),
         ),
-        is_leaf=lambda x: x is None,
     )
 
 
@@ -483,9 +493,9 @@ def _mass_kept(
     # would copy it.
     kept = jax.lax.cond(
         fallback,
-        lambda: ordered_row_sums(
-            read_probs_row(rows.target_probs, rows.b, parent), None
-        ).astype(mass.dtype),
+        lambda: rows.mass(read_probs_row(rows.target_probs, rows.b, parent)).astype(
+            mass.dtype
+        ),
         lambda: mass,
     )
     return kept, fallback
@@ -544,11 +554,11 @@ def _subtract_the_draft(
         # A bad value in either row makes the mass NaN, so that the rows are
         # checked in the same pass, and told apart only where one is bad.
         bad = not_a_probability(own_target) | not_a_probability(own_draft)
-        mass = ordered_row_sums(jnp.where(bad, jnp.nan, excess), None)
+        mass = rows.mass(jnp.where(bad, jnp.nan, excess))
 
         def tell_apart():
             target, draft = rows.own_rows(parent, any_token)
-            return holds_bad_values(target, None), holds_bad_values(draft, None)
+            return rows.holds_bad(target), rows.holds_bad(draft)
 
         bad_target, bad_draft = jax.lax.cond(
             jnp.isnan(mass), tell_apart, lambda: (no_value, no_value)
@@ -569,27 +579,16 @@ def _subtract_the_draft(
     # Where the parent's own target stands in: p = 1 (p - q) + 1 q.
     scale = jnp.where(fell_back, 1, scale)
     draft_weight = jnp.where(fell_back, -1, draft_weight)
+    left = _loss_recorded(
+        left, parent_depth, mass, kept_mass, fell_back, bad_target, bad_draft
+    )
     left = eqx.tree_at(
-        lambda x: (
-            x.target_mass,
-            x.fell_back,
-            x.scale,
-            x.draft_weight,
-            x.lost_one,
-            x.bad_target_row,
-            x.bad_draft_row,
-            x.overflow,
-        ),
+        lambda x: (x.scale, x.draft_weight, x.lost_one),
         left,
         (
-            left.target_mass.at[parent_depth].set(kept_mass),
-            left.fell_back.at[parent_depth].set(fell_back),
             left.scale.at[parent_depth].set(scale),
             left.draft_weight.at[parent_depth].set(draft_weight),
             left.lost_one.at[parent_depth].set(first & ~fell_back),
-            left.bad_target_row | bad_target,
-            left.bad_draft_row | bad_draft,
-            left.overflow | jnp.isinf(mass),
         ),
     )
     return mass, left
@@ -632,7 +631,7 @@ def _enter_next_sibling(
     parent."""
     sibling = links.next_sibling[node]
     sibling_token = rows.token_of(sibling)
-    raw_target, raw_draft = rows.given_at(parent, sibling_token)
+    raw_target, raw_draft = rows.given_at(sibling)
     if left.target is None:
         scale = left.scale[parent_depth]
         draft_weight = left.draft_weight[parent_depth]
@@ -640,10 +639,10 @@ def _enter_next_sibling(
         excess_at = _excess(scale, draft_weight, lost_one, raw_target, raw_draft)
         draft_at = raw_draft
     else:
-        excess_at = left.target[parent_depth, sibling_token]
+        excess_at = rows.at_token(left.target[parent_depth], sibling_token)
         draft_at = raw_draft
         if left.draft is not None:
-            draft_at = left.draft[parent_depth, sibling_token]
+            draft_at = rows.at_token(left.draft[parent_depth], sibling_token)
     excess_at = jnp.where(left.fell_back[parent_depth], raw_target, excess_at)
     target_at = excess_at / left.target_mass[parent_depth]
     entered = _enter(
