@@ -155,12 +155,12 @@ def main() -> None:
     args = parser.parse_args()
     devices = np.array(jax.devices())
     cases = {
-        "SpeculativeStep": (
+        "chain": (
             speculax.SpeculativeStep(),
             chain_inputs(args.batch, args.draft, args.vocab),
         ),
-        "TreeStep": (speculax.TreeStep(), tree_inputs(args.batch, args.vocab)),
-        "TraversalStep": (
+        "tree": (speculax.TreeStep(), tree_inputs(args.batch, args.vocab)),
+        "traversal": (
             speculax.TraversalStep(),
             tree_inputs(args.batch, args.vocab),
         ),
@@ -169,41 +169,47 @@ def main() -> None:
         f"B = {args.batch}, V = {args.vocab}, float32; chain G = {args.draft}, "
         f"trees of {len(TREE_PARENTS)} draft nodes (binary, depth 3)\n"
     )
-    print(
-        "| step | mesh (data, vocab) | rows | sharded_step | collectives run "
-        "| exchanged KB | all-gather MB | gather to one device |"
+    # Each row in turn (the CPU's strategy), then all at once (the accelerators'),
+    # forced here, on the vocabulary alone.
+    for strategy, meshes in [
+        ("one at a time", [(8, 1), (1, 8), (2, 4)]),
+        ("all at once", [(1, 8)]),
+    ]:
+        print(f"\nRows {strategy}:\n")
+        print(
+            "| step | mesh | time | collectives | exchanged KB | all-gather MB "
+            "| on one device |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for name, (step, host) in cases.items():
+            for data, vocab in meshes:
+                with speculax.row_strategy(strategy):
+                    print(measure(name, step, host, devices, data, vocab, args))
+
+
+def measure(name, step, host, devices, data, vocab, args) -> str:
+    """One table row: `step` on the `data` x `vocab` mesh, timed beside the
+    single-device step on the inputs gathered to one device."""
+    mesh = Mesh(devices.reshape(data, vocab), ("data", "vocab"))
+    on_mesh = placed(host, mesh)
+    f = speculax.sharded_step(step, mesh, batch_axis="data", vocab_axis="vocab")
+    sharded = best_of(lambda: f(**on_mesh), args.repeats)
+    results, runs = exchanged_per_device(f, on_mesh, devices.size)
+    single = jax.jit(step)
+
+    def gathered():
+        # What a loop without sharded_step would do: move every input onto one
+        # device, run the single-device step there.
+        return single(**{k: jax.device_put(x, devices[0]) for k, x in on_mesh.items()})
+
+    gather = best_of(gathered, args.repeats)
+    elsewhere = 1 - 1 / vocab
+    probs = host["draft_probs"].nbytes + host["target_probs"].nbytes
+    return (
+        f"| {name} | {data} x {vocab} | {sharded * 1e3:.2f} ms | {runs} "
+        f"| {results * elsewhere / 1e3:.1f} | {probs / data * elsewhere / 1e6:.1f} "
+        f"| {gather * 1e3:.2f} ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (step, host) in cases.items():
-        single = jax.jit(step)
-        meshes = [(8, 1, "one at a time"), (1, 8, "one at a time")]
-        meshes += [(2, 4, "one at a time"), (1, 8, "all at once")]
-        for data, vocab, strategy in meshes:
-            mesh = Mesh(devices.reshape(data, vocab), ("data", "vocab"))
-            on_mesh = placed(host, mesh)
-            with speculax.row_strategy(strategy):
-                f = speculax.sharded_step(
-                    step, mesh, batch_axis="data", vocab_axis="vocab"
-                )
-                sharded = best_of(lambda f=f, a=on_mesh: f(**a), args.repeats)
-                results, runs = exchanged_per_device(f, on_mesh, devices.size)
-
-            def gathered(a=on_mesh, single=single):
-                # What a loop without sharded_step would do: move every input onto
-                # one device, run the single-device step there.
-                return single(
-                    **{k: jax.device_put(x, devices[0]) for k, x in a.items()}
-                )
-
-            gather = best_of(gathered, args.repeats)
-            elsewhere = 1 - 1 / vocab
-            probs = host["draft_probs"].nbytes + host["target_probs"].nbytes
-            print(
-                f"| {name} | ({data}, {vocab}) | {strategy} "
-                f"| {sharded * 1e3:.2f} ms | {runs} "
-                f"| {results * elsewhere / 1e3:.1f} "
-                f"| {probs / data * elsewhere / 1e6:.1f} | {gather * 1e3:.2f} ms |"
-            )
 
 
 if __name__ == "__main__":

@@ -344,6 +344,8 @@ def tree_variants() -> dict:
 
 # The default tier's subset of the tree checks, on one mesh of both axes.
 QUICK_TREE_VARIANTS = ("tree", "traversal", "traversal throw=False")
+# The default tier runs the accelerators' row strategy on one of them.
+QUICK_ALL_AT_ONCE = ("traversal",)
 QUICK_TREE_MESHES = ("2x4",)
 # The variants whose compiled program is searched for large collectives.
 INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
@@ -402,6 +404,9 @@ def check_trees(
             mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
             entry: dict = {}
             for strategy in strategies:
+                skipped = strategy != STRATEGIES[0] and name not in QUICK_ALL_AT_ONCE
+                if quick and skipped:
+                    continue
                 with speculax.row_strategy(strategy):
                     f = speculax.sharded_step(
                         step,
@@ -452,6 +457,74 @@ def tree_refusals(devices: np.ndarray) -> dict:
     return refused
 
 
+def logits_variants() -> dict:
+    """`LogitsStep` on the batch axis: per-row temperature, top-k and top-p with
+    greedy and sampled rows mixed, ragged rows, deterministic drafts, uniforms
+    from a key, and per-row codes for bad rows."""
+    rng = np.random.default_rng(4)
+    vocab = 64
+    draft = rng.normal(size=(BATCH, DRAFT, vocab)).astype(np.float32) * 3
+    target = draft[:, [0, 1, 2, 2]] + rng.normal(size=(BATCH, DRAFT + 1, vocab))
+    tokens = draft.argmax(-1).astype(np.int32)
+    args = {
+        "draft_tokens": tokens,
+        "draft_logits": draft,
+        "target_logits": target.astype(np.float32),
+        "accept_uniforms": rng.random((BATCH, DRAFT)).astype(np.float32),
+        "sample_uniforms": rng.random(BATCH).astype(np.float32),
+        "temperature": np.array([0, 0.7, 1, 1.3, 0, 1, 0.5, 2], np.float32),
+        "top_k": np.array([0, 5, 0, 20, 3, 0, 1, 64], np.int64),
+        "top_p": np.array([1, 1, 0.9, 0.5, 1, 0.95, 1, 0.8], np.float32),
+    }
+    keyed = {
+        **{k: v for k, v in args.items() if not k.endswith("uniforms")},
+        "key": jax.random.key(5),
+    }
+    bad = {name: np.copy(value) for name, value in args.items()}
+    bad["target_logits"][2, 0, 7] = np.nan
+    bad["temperature"][5] = -1
+    return {
+        "logits": args,
+        "logits ragged": {**args, "num_draft_tokens": np.array([3, 0, 1, 2] * 2)},
+        "logits deterministic": {**args, "draft_logits": None},
+        "logits key": keyed,
+        "logits throw=False": bad,
+    }
+
+
+# The default tier's subset of the logits checks, on the 2 x 4 mesh.
+QUICK_LOGITS_VARIANTS = ("logits throw=False",)
+
+
+def check_logits(devices: np.ndarray, quick: bool) -> dict:
+    """Each logits variant on the batch axis of two meshes (`quick`: the default
+    tier's subset, on one), against one device; the refusal of a vocabulary
+    axis."""
+    found: dict = {}
+    for name, args in logits_variants().items():
+        if quick and name not in QUICK_LOGITS_VARIANTS:
+            continue
+        step = speculax.LogitsStep(throw=name != "logits throw=False")
+        reference = jax.jit(step.with_result)(**args)
+        found[name] = {
+            "rows": np.asarray(reference[0]["num_accepted"]).tolist(),
+            "failed": np.flatnonzero(
+                np.asarray(reference[1] != speculax.RESULTS.successful)
+            ).tolist(),
+        }
+        for mesh_name in ("2x4",) if quick else ("8x1", "2x4"):
+            mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
+            f = speculax.sharded_step(step, mesh, batch_axis="data", with_result=True)
+            found[name][mesh_name] = same(f(**args), reference)
+    mesh = Mesh(devices.reshape(MESHES["2x4"]), ("data", "vocab"))
+    try:
+        speculax.sharded_step(speculax.LogitsStep(), mesh, vocab_axis="vocab")
+        found["vocab axis refused"] = None
+    except ValueError as error:
+        found["vocab axis refused"] = str(error)
+    return found
+
+
 def raised(f, **args) -> str | None:
     try:
         jax.block_until_ready(f(**args))
@@ -462,6 +535,9 @@ def raised(f, **args) -> str | None:
 
 def main() -> None:
     devices = np.array(jax.devices())
+    if "--logits" in sys.argv:
+        print(json.dumps({"logits": check_logits(devices, quick=False)}))
+        return
     if "--trees" in sys.argv:
         # The extended tier's tree checks under one row strategy, apart from the
         # chain's and the other strategy's: each run has a time limit of its own.
@@ -473,6 +549,7 @@ def main() -> None:
     result: dict = {"variants": check_variants(devices, quick)}
     if quick:
         result["trees"] = check_trees(devices, quick=True)
+        result["logits"] = check_logits(devices, quick=True)
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
     f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)

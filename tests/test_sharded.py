@@ -106,10 +106,18 @@ def tree_checks(shared) -> dict:
 
 
 @pytest.fixture(scope="module")
+def logits(shared) -> dict:
+    """Every logits variant on the batch axis of the 8 x 1 and 2 x 4 meshes: the
+    extended tier."""
+    return _checks(shared, "--logits")["logits"]
+
+
+@pytest.fixture(scope="module")
 def quick(shared) -> dict:
     """Three chain variants on the 2 x 4 mesh; three tree variants on the 2 x 4
-    mesh under both row strategies and on the batch axis of the 4 x 2 mesh; the
-    other checks: the default tier."""
+    mesh (one under both row strategies) and on the batch axis of the 4 x 2 mesh;
+    one logits variant on the batch axis of the 2 x 4 mesh; the other checks: the
+    default tier."""
     return _checks(shared, "--quick")
 
 
@@ -147,13 +155,17 @@ INSPECTED_TREES = ["tree", "tree deterministic", "traversal", "traversal determi
 STRATEGIES = ["one at a time", "all at once"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("variant", QUICK_TREE_VARIANTS)
+@pytest.mark.parametrize(
+    ("variant", "strategy"),
+    [(variant, STRATEGIES[0]) for variant in QUICK_TREE_VARIANTS]
+    + [("traversal", STRATEGIES[1])],
+)
 def test_a_tree_step_on_a_mesh_of_both_axes_is_the_step_on_one_device(
     quick, variant, strategy
 ):
     """The devices of a row walk its tree together: tokens, counts, accepted nodes
-    and per-row codes bit for bit, on the 2 x 4 mesh, under either row strategy."""
+    and per-row codes bit for bit, on the 2 x 4 mesh; the traversal under the
+    accelerators' row strategy too."""
     assert list(quick["trees"]) == [*QUICK_TREE_VARIANTS, "refused"]
     assert quick["trees"][variant]["2x4"][strategy]
 
@@ -370,3 +382,47 @@ def test_a_piece_whose_axis_name_is_fixed_is_refused_by_name():
         speculax.sharded_step(step, mesh, vocab_axis="vocab")
     # Over the batch alone it needs no axis and runs.
     speculax.sharded_step(step, mesh, batch_axis="data")
+
+
+QUICK_LOGITS_VARIANTS = ["logits throw=False"]
+LOGITS_VARIANTS = [
+    "logits",
+    "logits ragged",
+    "logits deterministic",
+    "logits key",
+    "logits throw=False",
+]
+
+
+@pytest.mark.parametrize("variant", QUICK_LOGITS_VARIANTS)
+def test_the_logits_step_on_a_batch_axis_is_the_step_on_one_device(quick, variant):
+    """Per-row temperature, top-k and top-p, greedy and sampled rows mixed, split
+    with their rows, and two bad rows: counts, tokens and per-row codes bit for
+    bit on the batch axis of the 2 x 4 mesh."""
+    assert list(quick["logits"]) == [*QUICK_LOGITS_VARIANTS, "vocab axis refused"]
+    assert quick["logits"][variant]["2x4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["8x1", "2x4"])
+@pytest.mark.parametrize("variant", LOGITS_VARIANTS)
+def test_every_logits_variant_on_a_batch_axis_is_the_step_on_one_device(
+    logits, variant, mesh
+):
+    assert logits[variant][mesh]
+
+
+@pytest.mark.slow
+def test_the_logits_inputs_cover_the_branches(logits):
+    """Rows that keep every draft, none and some; the bad rows fail, and only
+    they."""
+    assert {0, 3} <= set(logits["logits"]["rows"])
+    assert set(logits["logits"]["rows"]) - {0, 3}
+    assert logits["logits throw=False"]["failed"] == [2, 5]
+    assert list(logits)[:-1] == LOGITS_VARIANTS
+
+
+def test_the_logits_step_refuses_a_vocabulary_axis(quick):
+    message = quick["logits"]["vocab axis refused"]
+    assert message is not None
+    assert "vocab_axis must be None for it" in message

@@ -140,6 +140,13 @@ def main() -> None:
         [[0, 1]], [[2, 3]], tree_probs, tree_probs, key=jax.random.key(1)
     )
     assert walked["accepted_nodes"].tolist() == [[1, 2, -1]]
+    # The logits step, split over the batch, returns a StepOutput.
+    from_logits = speculax.sharded_step(speculax.LogitsStep(), mesh, batch_axis="b")
+    verified: speculax.StepOutput = from_logits(
+        [[1]], jnp.zeros((1, 1, 4)), jnp.zeros((1, 2, 4)), key=jax.random.key(2)
+    )
+    # The draft's distribution is the target's: the draft is kept.
+    assert verified["num_accepted"].tolist() == [1]
 
     # Compiled, with the step as an argument so that swapping a piece recompiles.
     compiled = eqx.filter_jit(custom)

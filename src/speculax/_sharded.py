@@ -10,12 +10,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from ._chain._step import SpeculativeStep, StepOutput
 from ._core._checks import check_structure
 from ._core._failures import RESULTS
-from ._core._numerics import as_index, index_array
+from ._core._numerics import arithmetic_dtype, as_index, index_array
 from ._inputs._coercion import (
     coerce_inputs,
     optional_array,
@@ -25,6 +25,8 @@ from ._inputs._coercion import (
 )
 from ._inputs._input_array import InputArray
 from ._inputs._random import KeyArray
+from ._logits._parameters import sampling_parameters
+from ._logits._step import LogitsStep
 from ._tree._abstract import AbstractTreeStep, TreeOutput
 
 
@@ -72,8 +74,30 @@ def sharded_step(
 ) -> Callable[..., tuple[TreeOutput, RESULTS]]: ...
 
 
+@overload
 def sharded_step(
-    step: SpeculativeStep | AbstractTreeStep,
+    step: LogitsStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: None = None,
+    with_result: Literal[False] = False,
+) -> Callable[..., StepOutput]: ...
+
+
+@overload
+def sharded_step(
+    step: LogitsStep,
+    mesh: Mesh,
+    *,
+    batch_axis: str | None = None,
+    vocab_axis: None = None,
+    with_result: Literal[True],
+) -> Callable[..., tuple[StepOutput, RESULTS]]: ...
+
+
+def sharded_step(
+    step: SpeculativeStep | AbstractTreeStep | LogitsStep,
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
@@ -113,15 +137,20 @@ def sharded_step(
     it sums (`all_gather`), as does the final draw. Outputs are bit for bit those on
     one device, under the same condition as for the chain step.
 
+    [`speculax.LogitsStep`][] runs with a batch axis only, each device verifying
+    its rows under their own sampling parameters, with no communication: its
+    truncation reads whole rows of logits, so a vocabulary axis is refused.
+
     **Arguments:**
 
     - `step`: a [`speculax.SpeculativeStep`][], any flags included
-        (`check_all_probs`, `throw=False`), or an [`speculax.AbstractTreeStep`][].
+        (`check_all_probs`, `throw=False`), an [`speculax.AbstractTreeStep`][], or
+        a [`speculax.LogitsStep`][].
     - `mesh`: a `jax.sharding.Mesh`.
     - `batch_axis`: keyword only, the name of the mesh axis that shards the batch, or
         `None`.
     - `vocab_axis`: keyword only, the name of the mesh axis that shards the
-        vocabulary, or `None`.
+        vocabulary, or `None` (always, for a `LogitsStep`).
     - `with_result`: keyword only, whether the function returns each row's
         outcome beside the output, as [`speculax.SpeculativeStep.with_result`][]
         does. Default `False`.
@@ -130,7 +159,9 @@ def sharded_step(
 
     A function with the arguments of [`speculax.SpeculativeStep.__call__`][]
     (`draft_probs=None`, omitted uniforms, `key=` and `num_draft_tokens=` included),
-    or for a tree step those of [`speculax.AbstractTreeStep.__call__`][], returning
+    for a tree step those of [`speculax.AbstractTreeStep.__call__`][], for a
+    `LogitsStep` those of [`speculax.LogitsStep.__call__`][] (the sampling
+    parameters split with the rows), returning
     the same [`speculax.StepOutput`][] (or [`speculax.TreeOutput`][]) dict (with
     `with_result=True`, the tuple `(output, result)`), compiled once per input
     structure. Inputs may lie anywhere (NumPy, one device, another sharding): they
@@ -140,17 +171,17 @@ def sharded_step(
     **Raises:**
 
     `TypeError` for a `step` of another kind. `ValueError`, at once, for an axis
-    name that is not in the mesh or given twice, or a piece that cannot split the
-    vocabulary (for a tree step, a sibling rule that is not elementwise); when
-    called, for the
+    name that is not in the mesh or given twice, a piece that cannot split the
+    vocabulary (for a tree step, a sibling rule that is not elementwise), or a
+    vocabulary axis for a `LogitsStep`; when called, for the
     structure errors of the single-device step, and a batch or vocabulary not
     divisible by the size of its axis. The value checks run as in the
     single-device step, on every device, after the last collective.
     """
-    if not isinstance(step, (SpeculativeStep, AbstractTreeStep)):
+    if not isinstance(step, (SpeculativeStep, AbstractTreeStep, LogitsStep)):
         raise TypeError(
-            "step must be a SpeculativeStep or an AbstractTreeStep; got "
-            f"{type(step).__name__}"
+            "step must be a SpeculativeStep, an AbstractTreeStep or a LogitsStep; "
+            f"got {type(step).__name__}"
         )
     for name, axis in {"batch_axis": batch_axis, "vocab_axis": vocab_axis}.items():
         if axis is not None and axis not in mesh.axis_names:
@@ -164,6 +195,8 @@ def sharded_step(
         )
     if isinstance(step, AbstractTreeStep):
         sharded = _tree_step_on_mesh(step, mesh, batch_axis, vocab_axis)
+    elif isinstance(step, LogitsStep):
+        sharded = _logits_step_on_mesh(step, mesh, batch_axis, vocab_axis)
     else:
         sharded = _chain_step_on_mesh(step, mesh, batch_axis, vocab_axis)
     if with_result:
@@ -279,6 +312,85 @@ def _tree_step_on_mesh(
                 "target_probs": given.target,
                 "accept_uniforms": accept,
                 "sample_uniforms": sample,
+            }
+        )
+
+    return sharded
+
+
+def _logits_step_on_mesh(
+    step: LogitsStep,
+    mesh: Mesh,
+    batch_axis: str | None,
+    vocab_axis: str | None,
+) -> Callable[..., tuple[StepOutput, RESULTS]]:
+    """`sharded_step` for the logits step, batch axis only, returning the output and
+    the result."""
+    if vocab_axis is not None:
+        raise ValueError(
+            "LogitsStep's truncation reads whole rows of logits, so it cannot split "
+            f"the vocabulary: vocab_axis must be None for it; got {vocab_axis!r}"
+        )
+    rows = PartitionSpec(batch_axis)
+    names = (
+        "draft_tokens",
+        "draft_logits",
+        "target_logits",
+        "accept_uniforms",
+        "sample_uniforms",
+        "temperature",
+        "top_k",
+        "top_p",
+        "num_draft_tokens",
+    )
+    run = _run_on_mesh(step.with_result, mesh, dict.fromkeys(names, rows), batch_axis)
+
+    def sharded(
+        draft_tokens: InputArray,
+        draft_logits: InputArray | None,
+        target_logits: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        temperature: ArrayLike = 1.0,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
+        key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
+    ) -> tuple[StepOutput, RESULTS]:
+        # Checked and read by value outside the jit, as on one device; the
+        # parameters become one value per row, to be split with the rows.
+        given = coerce_inputs(
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            accept_uniforms,
+            sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
+            given_as="logits",
+        )
+        batch = given.tokens.shape[0]
+        parameters = sampling_parameters(
+            temperature,
+            top_k,
+            top_p,
+            batch,
+            arithmetic_dtype(given.target, given.draft),
+        )
+        _check_divisible("batch", batch_axis, batch, mesh)
+        # Drawn for the whole batch, as on one device, before the rows are split.
+        accept, sample = given.uniforms(key, ("LogitsStep", "LogitsStep"))
+        return run(
+            {
+                "draft_tokens": given.tokens,
+                "draft_logits": given.draft,
+                "target_logits": given.target,
+                "accept_uniforms": accept,
+                "sample_uniforms": sample,
+                "temperature": parameters.temperature,
+                "top_k": parameters.top_k,
+                "top_p": parameters.top_p,
+                "num_draft_tokens": given.num_draft_tokens,
             }
         )
 

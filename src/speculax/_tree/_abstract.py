@@ -28,7 +28,6 @@ from .._core._numerics import (
 from .._core._row_strategy import rows_one_at_a_time
 from .._core._vocab_axis import (
     any_over_vocab,
-    first_argmax_over_vocab,
     full_vocab,
     gather_blocks,
     ordered_row_sums,
@@ -196,8 +195,14 @@ class AbstractTreeStep(eqx.Module):
                 lambda x: jnp.broadcast_to(x, (batch, *x.shape)), start
             )
         else:
-            rows = self._rows(
-                parents, tree_tokens, draft_probs, target_probs, accept_uniforms
+            rows = tree_rows(
+                parents,
+                tree_tokens,
+                draft_probs if self._reads_draft_probs else None,
+                target_probs,
+                accept_uniforms,
+                most_likely=self._reads_most_likely,
+                axis_name=self.axis_name,
             )
             walks = _walk_every_tree(
                 lambda b: self._walk(max_depth, parents, rows.row(b)), batch
@@ -227,33 +232,6 @@ class AbstractTreeStep(eqx.Module):
         }
         return report_failures(
             output, result, check_values=self.check_values, throw=self.throw
-        )
-
-    def _rows(
-        self,
-        parents: Int[Array, "batch nodes"],
-        tree_tokens: Int[Array, "batch nodes"],
-        draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
-        target_probs: Float[Array, "batch nodes+1 vocab"],
-        accept_uniforms: Float[Array, "batch nodes"],
-    ) -> TreeRows:
-        """The batch's inputs as the walks read them: the draft rows where the walk
-        reads them (`_reads_draft_probs`), each target row's most likely token
-        where it reads that (`_reads_most_likely`)."""
-        if not self._reads_draft_probs:
-            draft_probs = None
-        most_likely = None
-        if self._reads_most_likely:
-            most_likely, _ = first_argmax_over_vocab(target_probs, self.axis_name)
-        return tree_rows(
-            parents,
-            tree_tokens,
-            draft_probs,
-            target_probs,
-            accept_uniforms,
-            arithmetic_dtype(draft_probs, target_probs),
-            most_likely,
-            self.axis_name,
         )
 
     @property

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._core._failures import holds_bad_values
+from .._core._numerics import arithmetic_dtype
 from .._core._rows import read_probs_row
 from .._core._vocab_axis import (
     any_over_vocab,
+    first_argmax_over_vocab,
     full_vocab,
     local_token,
     one_hot_over_vocab,
@@ -120,13 +122,15 @@ def tree_rows(
     draft_probs: Float[Array, "batch nodes+1 vocab"] | None,
     target_probs: Float[Array, "batch nodes+1 vocab"],
     accept_uniforms: Float[Array, "batch nodes"],
-    dtype: jnp.dtype,
-    most_likely: Int[Array, "batch nodes+1"] | None,
+    *,
+    most_likely: bool,
     axis_name: str | None,
 ) -> TreeRows:
-    """The batch's tree inputs as a walk reads them (`TreeRows.row` picks a row),
-    each draft node's values at its token read once. A bad parent is clipped into
-    the tree: the checks report it, and discard what the walk makes of it."""
+    """The batch's tree inputs as a walk reads them (`TreeRows.row` picks a row):
+    each draft node's values at its token read once, and where the walk reads
+    them (`most_likely`) the most likely token of every target row. `draft_probs`
+    is `None` for a walk that reads none. A bad parent is clipped into the tree:
+    the checks report it, and discard what the walk makes of it."""
     num_nodes = parents.shape[1]
     vocab = full_vocab(target_probs.shape[-1], axis_name)
     parent = jnp.clip(parents, 0, num_nodes)
@@ -135,6 +139,9 @@ def tree_rows(
     given_draft = jnp.ones_like(given_target)
     if draft_probs is not None:
         given_draft = values_at(draft_probs, parent, token, axis_name=axis_name)
+    most_likely_tokens = None
+    if most_likely:
+        most_likely_tokens, _ = first_argmax_over_vocab(target_probs, axis_name)
     return TreeRows(
         jnp.zeros((), jnp.int32),
         tree_tokens,
@@ -143,7 +150,7 @@ def tree_rows(
         accept_uniforms,
         given_target,
         given_draft,
-        dtype,
-        most_likely,
+        arithmetic_dtype(draft_probs, target_probs),
+        most_likely_tokens,
         axis_name,
     )
