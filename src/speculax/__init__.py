@@ -65,7 +65,7 @@ from ._pieces._sampling import (
     Argmax as Argmax,
     InverseCDF as InverseCDF,
 )
-from ._sharded import sharded_step as sharded_step
+from ._sharded._step import sharded_step as sharded_step
 from ._tree._abstract import (
     AbstractTreeStep as AbstractTreeStep,
     TreeOutput as TreeOutput,

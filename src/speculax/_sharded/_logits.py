@@ -1,0 +1,96 @@
+"""The logits step on a mesh, with the batch split: each device verifies its rows
+under their own sampling parameters."""
+
+from collections.abc import Callable
+
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import ArrayLike
+
+from .._chain._step import StepOutput
+from .._core._failures import RESULTS
+from .._core._numerics import arithmetic_dtype
+from .._inputs._coercion import coerce_inputs
+from .._inputs._input_array import InputArray
+from .._inputs._random import KeyArray
+from .._logits._parameters import sampling_parameters
+from .._logits._step import LogitsStep
+from ._mesh import check_divisible, run_on_mesh
+
+
+def logits_step_on_mesh(
+    step: LogitsStep,
+    mesh: Mesh,
+    batch_axis: str | None,
+    vocab_axis: str | None,
+) -> Callable[..., tuple[StepOutput, RESULTS]]:
+    """`sharded_step` for the logits step, batch axis only, returning the output and
+    the result."""
+    if vocab_axis is not None:
+        raise ValueError(
+            "LogitsStep's truncation reads whole rows of logits, so it cannot split "
+            f"the vocabulary: vocab_axis must be None for it; got {vocab_axis!r}"
+        )
+    rows = PartitionSpec(batch_axis)
+    names = (
+        "draft_tokens",
+        "draft_logits",
+        "target_logits",
+        "accept_uniforms",
+        "sample_uniforms",
+        "temperature",
+        "top_k",
+        "top_p",
+        "num_draft_tokens",
+    )
+    run = run_on_mesh(step.with_result, mesh, dict.fromkeys(names, rows), batch_axis)
+
+    def sharded(
+        draft_tokens: InputArray,
+        draft_logits: InputArray | None,
+        target_logits: InputArray,
+        accept_uniforms: InputArray | None = None,
+        sample_uniforms: InputArray | None = None,
+        *,
+        temperature: ArrayLike = 1.0,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
+        key: KeyArray | None = None,
+        num_draft_tokens: InputArray | None = None,
+    ) -> tuple[StepOutput, RESULTS]:
+        # Checked and read by value outside the jit, as on one device; the
+        # parameters become one value per row, to be split with the rows.
+        given = coerce_inputs(
+            draft_tokens,
+            draft_logits,
+            target_logits,
+            accept_uniforms,
+            sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
+            given_as="logits",
+        )
+        batch = given.tokens.shape[0]
+        parameters = sampling_parameters(
+            temperature,
+            top_k,
+            top_p,
+            batch,
+            arithmetic_dtype(given.target, given.draft),
+        )
+        check_divisible("batch", batch_axis, batch, mesh)
+        # Drawn for the whole batch, as on one device, before the rows are split.
+        accept, sample = given.uniforms(key, ("LogitsStep", "LogitsStep"))
+        return run(
+            {
+                "draft_tokens": given.tokens,
+                "draft_logits": given.draft,
+                "target_logits": given.target,
+                "accept_uniforms": accept,
+                "sample_uniforms": sample,
+                "temperature": parameters.temperature,
+                "top_k": parameters.top_k,
+                "top_p": parameters.top_p,
+                "num_draft_tokens": given.num_draft_tokens,
+            }
+        )
+
+    return sharded
