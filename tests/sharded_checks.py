@@ -346,6 +346,9 @@ def tree_variants() -> dict:
 QUICK_TREE_VARIANTS = ("tree", "traversal", "traversal throw=False")
 # The default tier runs the accelerators' row strategy on one of them.
 QUICK_ALL_AT_ONCE = ("traversal",)
+# And checks its batch axis alone and its compiled program on one each.
+QUICK_BATCH_ONLY = ("tree",)
+QUICK_INSPECTED = ("traversal",)
 QUICK_TREE_MESHES = ("2x4",)
 # The variants whose compiled program is searched for large collectives.
 INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
@@ -393,7 +396,7 @@ def check_trees(
                 for kind in TREE_FAILURES
             },
         }
-        if everything:
+        if everything and (not quick or name in QUICK_BATCH_ONLY):
             batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
             f = speculax.sharded_step(
                 step, batch_only, batch_axis="data", with_result=True
@@ -416,7 +419,8 @@ def check_trees(
                         with_result=True,
                     )
                     entry[strategy] = same_trees(f(**args), reference)
-            if everything and name in INSPECTED_TREES:
+            inspected = QUICK_INSPECTED if quick else INSPECTED_TREES
+            if everything and name in inspected:
                 hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
                 sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
                 entry["large_collectives"] = large_collectives(hlo, sizes)
