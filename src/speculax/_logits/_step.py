@@ -196,27 +196,19 @@ class LogitsStep(eqx.Module):
         A tuple `(output, result)`: the [`speculax.StepOutput`][] dict, and a
         [`speculax.RESULTS`][] item of shape `(B,)` per row.
         """
-        inputs = coerce_inputs(
+        inputs, parameters, accept_uniforms, sample_uniforms = read_logits_inputs(
             draft_tokens,
             draft_logits,
             target_logits,
             accept_uniforms,
             sample_uniforms,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            key=key,
             num_draft_tokens=num_draft_tokens,
-            given_as="logits",
         )
         batch, num_draft = inputs.tokens.shape
-        # The parameters' errors come before the uniforms'.
-        parameters = sampling_parameters(
-            temperature,
-            top_k,
-            top_p,
-            batch,
-            arithmetic_dtype(inputs.target, inputs.draft),
-        )
-        accept_uniforms, sample_uniforms = inputs.uniforms(
-            key, ("LogitsStep", "LogitsStep")
-        )
         if batch == 0:
             empty: StepOutput = {
                 "num_accepted": jnp.zeros((0,), jnp.int32),
@@ -248,6 +240,45 @@ class LogitsStep(eqx.Module):
         return report_failures(
             output, result, check_values=self.check_values, throw=self.throw
         )
+
+
+def read_logits_inputs(
+    draft_tokens: InputArray,
+    draft_logits: InputArray | None,
+    target_logits: InputArray,
+    accept_uniforms: InputArray | None,
+    sample_uniforms: InputArray | None,
+    *,
+    temperature: ArrayLike,
+    top_k: ArrayLike | None,
+    top_p: ArrayLike | None,
+    key: KeyArray | None,
+    num_draft_tokens: InputArray | None,
+) -> tuple[
+    StepInputs, SamplingParameters, Float[Array, "batch draft"], Float[Array, " batch"]
+]:
+    """The arguments of [`speculax.LogitsStep.__call__`][] read as the step reads
+    them: the inputs coerced and their structure checked, the sampling parameters
+    one value per row (their errors before the uniforms'), and the uniforms as
+    given or drawn from `key`, for the whole batch."""
+    inputs = coerce_inputs(
+        draft_tokens,
+        draft_logits,
+        target_logits,
+        accept_uniforms,
+        sample_uniforms,
+        num_draft_tokens=num_draft_tokens,
+        given_as="logits",
+    )
+    parameters = sampling_parameters(
+        temperature,
+        top_k,
+        top_p,
+        inputs.tokens.shape[0],
+        arithmetic_dtype(inputs.target, inputs.draft),
+    )
+    accept, sample = inputs.uniforms(key, ("LogitsStep", "LogitsStep"))
+    return inputs, parameters, accept, sample
 
 
 def _verify(

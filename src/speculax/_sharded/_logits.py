@@ -8,12 +8,9 @@ from jaxtyping import ArrayLike
 
 from .._chain._step import StepOutput
 from .._core._failures import RESULTS
-from .._core._numerics import arithmetic_dtype
-from .._inputs._coercion import coerce_inputs
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
-from .._logits._parameters import sampling_parameters
-from .._logits._step import LogitsStep
+from .._logits._step import LogitsStep, read_logits_inputs
 from ._mesh import check_divisible, run_on_mesh
 
 
@@ -58,27 +55,21 @@ def logits_step_on_mesh(
         num_draft_tokens: InputArray | None = None,
     ) -> tuple[StepOutput, RESULTS]:
         # Checked and read by value outside the jit, as on one device; the
-        # parameters become one value per row, to be split with the rows.
-        given = coerce_inputs(
+        # parameters become one value per row, to be split with the rows, and the
+        # uniforms are drawn for the whole batch before the rows are split.
+        given, parameters, accept, sample = read_logits_inputs(
             draft_tokens,
             draft_logits,
             target_logits,
             accept_uniforms,
             sample_uniforms,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            key=key,
             num_draft_tokens=num_draft_tokens,
-            given_as="logits",
         )
-        batch = given.tokens.shape[0]
-        parameters = sampling_parameters(
-            temperature,
-            top_k,
-            top_p,
-            batch,
-            arithmetic_dtype(given.target, given.draft),
-        )
-        check_divisible("batch", batch_axis, batch, mesh)
-        # Drawn for the whole batch, as on one device, before the rows are split.
-        accept, sample = given.uniforms(key, ("LogitsStep", "LogitsStep"))
+        check_divisible("batch", batch_axis, given.tokens.shape[0], mesh)
         return run(
             {
                 "draft_tokens": given.tokens,
