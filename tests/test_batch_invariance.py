@@ -55,7 +55,9 @@ def assert_rows_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)]
+)
 def test_row_alone_equals_row_in_batch(dtype):
     inputs = random_batch(0, BATCH, dtype)
     batched = run(inputs)

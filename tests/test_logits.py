@@ -173,6 +173,7 @@ def test_the_batch_drafts_and_verifies_something():
     assert (accepted > 0).all(), accepted
 
 
+@pytest.mark.slow
 def test_a_row_never_sees_the_other_rows():
     """Bit for bit the answer of the row alone, whatever the other rows' logits and
     parameters, and wherever the row sits in the batch."""

@@ -306,6 +306,7 @@ def test_first_argmax_is_jnp_argmax(vocab):
     assert ((index >= 0) & (index < vocab)).all()
 
 
+@pytest.mark.slow
 def test_new_pieces_join_the_fused_draw():
     """How a residual and a sampler run as one pass is stated by the pieces: a
     residual of your own that subclasses `AbstractFusedResidual` is drawn by its

@@ -95,6 +95,7 @@ def tree_error(sampler: speculax.AbstractSampler) -> float:
 LOOP_MODELS = markov_pair(3, 1, seed=2)
 
 
+@pytest.mark.slow
 def test_exact_check_measures_a_lossy_sampler():
     # With no drafts the output is the drawn token alone: its law is exactly the
     # sampler's on p_0, token 1's mass spread over the others.
