@@ -13,8 +13,9 @@ collective's result shape, a profile of one call counts how often each ran (the
 tree walks run theirs inside loops, as often as their rows' tests fail), and the
 column is the sum over one device's executions of the share of each result that
 other devices contributed, $(d - 1) / d$ of it on a vocabulary axis of $d$
-devices. Beside it, what an all-gather of the probabilities would bring each device
-for its rows: the same share of its rows' whole `draft_probs` and `target_probs`.
+devices. Beside it, what an all-gather of the probabilities (or logits) would bring
+each device for its rows: the same share of its rows' whole draft and target
+arrays.
 """
 
 import argparse
@@ -85,6 +86,31 @@ def tree_inputs(batch: int, vocab: int) -> dict:
     }
 
 
+def logits_inputs(batch: int, draft: int, vocab: int) -> dict:
+    """Peaked logits, the target a perturbed draft, and per-row sampling parameters
+    as `speculax bench`'s truncated variant draws them: a temperature in
+    `[0.5, 1.2]`, a top-k in `[20, 100]` and a top-p in `[0.8, 0.95]`."""
+    rng = np.random.default_rng(0)
+    q = (3 * rng.standard_normal((batch, draft, vocab))).astype(np.float32)
+    p = q[:, [*range(draft), draft - 1]] + rng.standard_normal(
+        (batch, draft + 1, vocab)
+    ).astype(np.float32)
+    return {
+        "draft_tokens": q.argmax(-1).astype(np.int32),
+        "draft_logits": q,
+        "target_logits": p.astype(np.float32),
+        "accept_uniforms": rng.random((batch, draft), dtype=np.float32),
+        "sample_uniforms": rng.random(batch, dtype=np.float32),
+        "temperature": rng.uniform(0.5, 1.2, batch).astype(np.float32),
+        "top_k": rng.integers(20, 101, batch).astype(np.int32),
+        "top_p": rng.uniform(0.8, 0.95, batch).astype(np.float32),
+    }
+
+
+# The inputs split over the vocabulary; every other one is split with the rows.
+SPLIT = ("draft_probs", "target_probs", "draft_logits", "target_logits")
+
+
 def best_of(f, repeats: int) -> float:
     jax.block_until_ready(f())
     times = []
@@ -131,14 +157,13 @@ def exchanged_per_device(f, args: dict, devices: int) -> tuple[int, int]:
 
 
 def placed(args: dict, mesh: Mesh) -> dict:
-    split = {"draft_probs", "target_probs"}
     return {
         name: jax.device_put(
             x,
             NamedSharding(
                 mesh,
                 PartitionSpec("data", None, "vocab")
-                if name in split
+                if name in SPLIT
                 else PartitionSpec("data"),
             ),
         )
@@ -163,6 +188,10 @@ def main() -> None:
         "traversal": (
             speculax.TraversalStep(),
             tree_inputs(args.batch, args.vocab),
+        ),
+        "logits": (
+            speculax.LogitsStep(),
+            logits_inputs(args.batch, args.draft, args.vocab),
         ),
     }
     print(
@@ -204,7 +233,7 @@ def measure(name, step, host, devices, data, vocab, args) -> str:
 
     gather = best_of(gathered, args.repeats)
     elsewhere = 1 - 1 / vocab
-    probs = host["draft_probs"].nbytes + host["target_probs"].nbytes
+    probs = sum(x.nbytes for name, x in host.items() if name in SPLIT)
     return (
         f"| {name} | {data} x {vocab} | {sharded * 1e3:.2f} ms | {runs} "
         f"| {results * elsewhere / 1e3:.1f} | {probs / data * elsewhere / 1e6:.1f} "

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 
 # Runtime type checking, as in the pytest run that starts this process.
@@ -236,7 +236,7 @@ def same(got: tuple, want: tuple) -> bool:
 
 # The default test tier's subset (`--quick`): the plain step, per-row codes and
 # block verification, on a mesh that splits both the batch and the vocabulary.
-QUICK_VARIANTS = ("default", "throw=False", "block")
+QUICK_VARIANTS = ("default", "throw=False")
 QUICK_MESHES = ("2x4",)
 
 
@@ -343,16 +343,19 @@ def tree_variants() -> dict:
 
 
 # The default tier's subset of the tree checks, on one mesh of both axes.
-QUICK_TREE_VARIANTS = ("tree", "traversal", "traversal throw=False")
+QUICK_TREE_VARIANTS = ("tree", "traversal throw=False")
 # The default tier runs the accelerators' row strategy on one of them.
-QUICK_ALL_AT_ONCE = ("traversal",)
+QUICK_ALL_AT_ONCE = ("traversal throw=False",)
 # And checks its batch axis alone and its compiled program on one each.
 QUICK_BATCH_ONLY = ("tree",)
-QUICK_INSPECTED = ("traversal",)
+QUICK_INSPECTED = ("traversal throw=False",)
 QUICK_TREE_MESHES = ("2x4",)
 # The variants whose compiled program is searched for large collectives.
 INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
 STRATEGIES = ("one at a time", "all at once")
+# The extended tier runs the accelerators' row strategy on the meshes that split
+# the vocabulary most and both axes.
+ALL_AT_ONCE_MESHES = ("1x8", "2x4")
 # The failures planted in the bad rows of `tree_variants`.
 TREE_FAILURES = ("bad_target_row", "bad_draft_row", "tree_token_out_of_range")
 
@@ -377,8 +380,10 @@ def check_trees(
     the first of all: the batch split alone, the collectives of the compiled
     programs, the refusals."""
     found: dict = {}
-    meshes = QUICK_TREE_MESHES if quick else tuple(MESHES)
     everything = strategies[0] == STRATEGIES[0]
+    meshes = QUICK_TREE_MESHES if quick else tuple(MESHES)
+    if not quick and not everything:
+        meshes = ALL_AT_ONCE_MESHES
     for name, (step, args) in tree_variants().items():
         if quick and name not in QUICK_TREE_VARIANTS:
             continue
@@ -462,12 +467,15 @@ def tree_refusals(devices: np.ndarray) -> dict:
 
 
 def logits_variants() -> dict:
-    """`LogitsStep` on the batch axis: per-row temperature, top-k and top-p with
-    greedy and sampled rows mixed, ragged rows, deterministic drafts, uniforms
-    from a key, and per-row codes for bad rows."""
+    """`LogitsStep` with the vocabulary split: per-row temperature, top-k and top-p
+    with greedy and sampled rows mixed (a top-k of 300 keeps several groups of one
+    block, a flat row under a top-p is searched whole), ragged rows, deterministic
+    drafts, uniforms from a key, and per-row codes for bad rows, one of them with a
+    NaN on the last device's slice."""
     rng = np.random.default_rng(4)
-    vocab = 64
+    vocab = TREE_VOCAB
     draft = rng.normal(size=(BATCH, DRAFT, vocab)).astype(np.float32) * 3
+    draft[5] /= 30
     target = draft[:, [0, 1, 2, 2]] + rng.normal(size=(BATCH, DRAFT + 1, vocab))
     tokens = draft.argmax(-1).astype(np.int32)
     args = {
@@ -477,7 +485,7 @@ def logits_variants() -> dict:
         "accept_uniforms": rng.random((BATCH, DRAFT)).astype(np.float32),
         "sample_uniforms": rng.random(BATCH).astype(np.float32),
         "temperature": np.array([0, 0.7, 1, 1.3, 0, 1, 0.5, 2], np.float32),
-        "top_k": np.array([0, 5, 0, 20, 3, 0, 1, 64], np.int64),
+        "top_k": np.array([0, 5, 0, 300, 3, 0, 1, vocab], np.int64),
         "top_p": np.array([1, 1, 0.9, 0.5, 1, 0.95, 1, 0.8], np.float32),
     }
     keyed = {
@@ -487,6 +495,7 @@ def logits_variants() -> dict:
     bad = {name: np.copy(value) for name, value in args.items()}
     bad["target_logits"][2, 0, 7] = np.nan
     bad["temperature"][5] = -1
+    bad["draft_logits"][6, 0, vocab - 3] = np.nan
     return {
         "logits": args,
         "logits ragged": {**args, "num_draft_tokens": np.array([3, 0, 1, 2] * 2)},
@@ -498,12 +507,14 @@ def logits_variants() -> dict:
 
 # The default tier's subset of the logits checks, on the 2 x 4 mesh.
 QUICK_LOGITS_VARIANTS = ("logits throw=False",)
+INSPECTED_LOGITS = ("logits", "logits deterministic")
 
 
 def check_logits(devices: np.ndarray, quick: bool) -> dict:
-    """Each logits variant on the batch axis of two meshes (`quick`: the default
-    tier's subset, on one), against one device; the refusal of a vocabulary
-    axis."""
+    """Each logits variant with the batch and the vocabulary split on each mesh,
+    under both row strategies, and on the batch axis alone, against one device;
+    the collectives of the compiled programs (`quick`: the default tier's subset,
+    on the 2 x 4 mesh)."""
     found: dict = {}
     for name, args in logits_variants().items():
         if quick and name not in QUICK_LOGITS_VARIANTS:
@@ -516,16 +527,82 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
                 np.asarray(reference[1] != speculax.RESULTS.successful)
             ).tolist(),
         }
-        for mesh_name in ("2x4",) if quick else ("8x1", "2x4"):
-            mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
-            f = speculax.sharded_step(step, mesh, batch_axis="data", with_result=True)
-            found[name][mesh_name] = same(f(**args), reference)
+        batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+        f = speculax.sharded_step(step, batch_only, batch_axis="data", with_result=True)
+        found[name]["batch axis only"] = same(f(**args), reference)
+        for mesh_name in ("2x4",) if quick else tuple(MESHES):
+            shape = MESHES[mesh_name]
+            mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
+            entry: dict = {}
+            # The default tier runs the CPU's row strategy alone.
+            strategies = STRATEGIES
+            if quick or mesh_name not in ALL_AT_ONCE_MESHES:
+                strategies = STRATEGIES[:1]
+            for strategy in strategies:
+                with speculax.row_strategy(strategy):
+                    f = speculax.sharded_step(
+                        step,
+                        mesh,
+                        batch_axis="data",
+                        vocab_axis="vocab",
+                        with_result=True,
+                    )
+                    entry[strategy] = same(f(**args), reference)
+            if name in INSPECTED_LOGITS or quick:
+                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
+                sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
+                entry["large_collectives"] = large_collectives(hlo, sizes)
+                entry["collectives"] = len(collectives(hlo))
+            found[name][mesh_name] = entry
+    found["statistics"] = check_statistics(
+        devices, ("2x4",) if quick else tuple(MESHES)
+    )
     mesh = Mesh(devices.reshape(MESHES["2x4"]), ("data", "vocab"))
     try:
-        speculax.sharded_step(speculax.LogitsStep(), mesh, vocab_axis="vocab")
-        found["vocab axis refused"] = None
+        other = speculax.LogitsStep(axis_name="model")
+        speculax.sharded_step(other, mesh, vocab_axis="vocab")
+        found["other axis refused"] = None
     except ValueError as error:
-        found["vocab axis refused"] = str(error)
+        found["other axis refused"] = str(error)
+    return found
+
+
+def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
+    """Whether the statistics of every row of target logits (the largest logit and
+    its index, the threshold, the normaliser, the flags), each row under its own
+    parameters, are those of one device bit for bit on each of `meshes`, and the
+    bad rows are flagged alike: the tokens drawn would hide most differences in a
+    last bit."""
+    from speculax._logits._parameters import sampling_parameters
+    from speculax._logits._truncation import request_statistics
+
+    args = logits_variants()["logits throw=False"]
+    logits = jnp.asarray(args["target_logits"])
+    parameters = sampling_parameters(
+        args["temperature"], args["top_k"], args["top_p"], BATCH, jnp.dtype("float32")
+    )
+    reference = request_statistics(logits, parameters)
+    found = {}
+    for mesh_name in meshes:
+        mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
+        split = jax.jit(
+            jax.shard_map(
+                lambda x, p: request_statistics(x, p, "vocab"),
+                mesh=mesh,
+                in_specs=(PartitionSpec("data", None, "vocab"), PartitionSpec("data")),
+                out_specs=PartitionSpec("data"),
+                check_vma=False,
+            )
+        )(logits, parameters)
+        # A bad row (the NaN logit) is flagged alike; the rest of its statistics
+        # is never read.
+        good = ~np.asarray(reference.bad)
+        found[mesh_name] = np.array_equal(split.bad, reference.bad) and all(
+            np.array_equal(np.asarray(got)[good], np.asarray(want)[good])
+            for got, want in zip(
+                jax.tree.leaves(split), jax.tree.leaves(reference), strict=True
+            )
+        )
     return found
 
 

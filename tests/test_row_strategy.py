@@ -41,6 +41,10 @@ WHILE_BOUNDS = {
         lambda sizes: 32,
         "a bisection over the integer keys of float32 values: one step per bit",
     ),
+    ("_truncation.py", "_Values._block_lanes"): (
+        lambda sizes: 16,
+        "a block's searched groups added in turn: at most the 16 groups of a block",
+    ),
     ("_traversal.py", "TraversalStep._walk"): (
         lambda sizes: sizes.nodes,
         "one deletion per iteration, of a draft node that failed its test (the root "
@@ -212,9 +216,18 @@ def counts(strategy: str, names: tuple[str, ...]) -> dict[str, dict[int, int]]:
         }
 
 
-@pytest.mark.parametrize("name", STEP_NAMES)
+# The default tier checks the two steps of the other test below; the rest are slow.
+@pytest.mark.parametrize(
+    "name",
+    [
+        name
+        if name in ("default", "traversal")
+        else pytest.param(name, marks=pytest.mark.slow)
+        for name in STEP_NAMES
+    ],
+)
 def test_all_at_once_runs_no_loop_over_the_batch(name):
-    got = counts("all at once", STEP_NAMES)[name]
+    got = counts("all at once", (name,))[name]
     print(f"{name}, all at once: {got}")
     assert got[32] == got[4], got
 

@@ -60,9 +60,21 @@ def values_at(
 ) -> Float[Array, "batch points"]:
     """`probs[b, positions[b, k], tokens[b, k]]`, upcast, by one point gather (the
     tokens in `[0, V)`)."""
-    index, owned = _in_slice(tokens, probs.shape[-1], axis_name)
+    return upcast(entries_at(probs, positions, tokens, axis_name=axis_name))
+
+
+def entries_at(
+    x: Float[Array, "batch positions vocab"],
+    positions: Int[Array, "#batch points"],
+    tokens: Int[Array, "batch points"],
+    *,
+    axis_name: str | None,
+) -> Float[Array, "batch points"]:
+    """`x[b, positions[b, k], tokens[b, k]]` as they are, in `x`'s dtype, by one
+    point gather (the tokens in `[0, V)`)."""
+    index, owned = _in_slice(tokens, x.shape[-1], axis_name)
     rows = jnp.arange(tokens.shape[0])[:, None]
-    return _from_owner(upcast(probs[rows, positions, index]), owned, axis_name)
+    return _from_owner(x[rows, positions, index], owned, axis_name)
 
 
 def local_token(
@@ -121,6 +133,22 @@ def any_over_vocab(
     return jax.lax.pmax(flags.astype(jnp.int32), axis_name) > 0
 
 
+def count_over_vocab(
+    counts: Int[Array, "*rows"], axis_name: str | None
+) -> Int[Array, "*rows"]:
+    """The sum over devices of per-slice integer counts: exact, in any order."""
+    if axis_name is None:
+        return counts
+    return jax.lax.psum(counts, axis_name)
+
+
+def max_over_vocab(x: Array, axis_name: str | None) -> Array:
+    """The largest over devices of per-slice maxima: exact."""
+    if axis_name is None:
+        return x
+    return jax.lax.pmax(x, axis_name)
+
+
 def sum_over_vocab(
     x: Float[Array, "*rows"], axis_name: str | None
 ) -> Float[Array, "*rows"]:
@@ -162,10 +190,23 @@ def first_argmax_over_vocab(
     """
     index = first_argmax(x)
     largest = jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+    return first_of_largest(index, largest, x.shape[-1], axis_name)
+
+
+def first_of_largest(
+    index: Int[Array, "*rows"],
+    largest: Float[Array, "*rows"],
+    shard_vocab: int,
+    axis_name: str | None,
+) -> tuple[Int[Array, " *rows"], Float[Array, " *rows"]]:
+    """The first index of each row's largest value over the whole vocabulary, and
+    that value, from each device's `largest` value of its slice and the first
+    `index` into the slice holding it: the smallest index holding the largest
+    value wins."""
     if axis_name is None:
         return index, largest
     largest_anywhere = jax.lax.pmax(largest, axis_name)
-    index = index + vocab_offset(x.shape[-1], axis_name)
+    index = index + vocab_offset(shard_vocab, axis_name)
     unclaimed = jnp.iinfo(jnp.int32).max
     candidate = jnp.where(largest == largest_anywhere, index, unclaimed)
     index = jax.lax.pmin(candidate, axis_name)

@@ -1,3 +1,4 @@
+import functools
 from typing import final
 
 import equinox as eqx
@@ -19,6 +20,7 @@ from .._core._failures import (
 from .._core._numerics import arithmetic_dtype, flush_subnormal
 from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_row
+from .._core._vocab_axis import entries_at, full_vocab, vocab_offset
 from .._inputs._coercion import StepInputs, coerce_inputs
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
@@ -71,6 +73,11 @@ class LogitsStep(eqx.Module):
         a failed row instead of raising, and [`speculax.LogitsStep.with_result`][]
         returns one [`speculax.RESULTS`][] item per row. Default `True`; `False`
         needs `check_values`.
+    - `axis_name`: keyword only, inside `jax.shard_map`, the mesh axis the
+        vocabulary is split over: the logits are then each device's slices of the
+        rows, every statistic is that of the whole rows, and the answer is the
+        answer on one device, bit for bit, when the slices are whole blocks of 256
+        tokens. [`speculax.sharded_step`][] sets it. Default `None`, whole rows.
 
     **Example:**
 
@@ -97,6 +104,7 @@ class LogitsStep(eqx.Module):
 
     check_values: bool = eqx.field(static=True, default=True, kw_only=True)
     throw: bool = eqx.field(static=True, default=True, kw_only=True)
+    axis_name: str | None = eqx.field(static=True, default=None, kw_only=True)
 
     def __check_init__(self):
         if not self.check_values and not self.throw:
@@ -221,6 +229,7 @@ class LogitsStep(eqx.Module):
             sample_uniforms,
             parameters,
             check_values=self.check_values,
+            axis_name=self.axis_name,
         )
         failures: list[Failure] = []
         if self.check_values:
@@ -231,6 +240,7 @@ class LogitsStep(eqx.Module):
                 parameters,
                 read_failures,
                 drawn,
+                full_vocab(inputs.target.shape[-1], self.axis_name),
             )
         result = first_failure(failures, batch)
         output: StepOutput = {
@@ -288,11 +298,13 @@ def _verify(
     parameters: SamplingParameters,
     *,
     check_values: bool,
+    axis_name: str | None,
 ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], list[Failure]]:
     """The verification of a non-empty batch: the statistics of every row of
     logits, each draft's test, the number $n$ of drafts accepted and the token drawn
     at $n$, each `(batch,)`; with `check_values`, the failures of the logits the step
-    read (`_logits_failures`, then the stopping rows'), else none."""
+    read (`_logits_failures`, then the stopping rows'), else none. `axis_name` as
+    for the step."""
     draft_tokens, draft_logits = inputs.tokens, inputs.draft
     target_logits, num_draft_tokens = inputs.target, inputs.num_draft_tokens
     num_draft = draft_tokens.shape[1]
@@ -302,10 +314,10 @@ def _verify(
         else jnp.clip(num_draft_tokens, 0, num_draft)
     )
     in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
-    target = request_statistics(target_logits, parameters)
+    target = request_statistics(target_logits, parameters, axis_name)
     draft = None
     if draft_logits is not None:
-        draft = request_statistics(draft_logits, parameters)
+        draft = request_statistics(draft_logits, parameters, axis_name)
     passed = _verdicts(
         draft_tokens,
         draft_logits,
@@ -314,6 +326,7 @@ def _verify(
         parameters,
         target,
         draft,
+        axis_name,
     )
     num_accepted = PrefixCount()(passed & in_use)
     drawn, row_failures = _draw(
@@ -326,6 +339,7 @@ def _verify(
         parameters,
         target,
         draft,
+        axis_name,
     )
     failures: list[Failure] = []
     if check_values:
@@ -343,11 +357,11 @@ def _value_failures(
     parameters: SamplingParameters,
     read_failures: list[Failure],
     drawn: Int[Array, " batch"],
+    vocab: int,
 ) -> list[Failure]:
     """Every value check, in the order of [`speculax.RESULTS`][]: the tokens, the
     uniforms and the lengths, the parameters, the logits read (`read_failures`,
-    from `_verify`), and the token drawn."""
-    vocab = inputs.target.shape[-1]
+    from `_verify`), and the token drawn (in `[0, vocab)`)."""
     return [
         *draft_failures(
             inputs.tokens,
@@ -370,6 +384,7 @@ def _verdicts(
     parameters: SamplingParameters,
     target: RowStatistics,
     draft: RowStatistics | None,
+    axis_name: str | None,
 ) -> Bool[Array, "batch draft"]:
     """Each draft's test: $u_i \\, q_i(x_i) < p_i(x_i)$ for sampled rows (the
     probabilities below the smallest normal number counting as zero, as for
@@ -377,16 +392,14 @@ def _verdicts(
     batch, num_draft = draft_tokens.shape
     if num_draft == 0:
         return jnp.zeros((batch, 0), bool)
-    vocab = target_logits.shape[-1]
+    vocab = full_vocab(target_logits.shape[-1], axis_name)
     tokens = jnp.clip(draft_tokens, 0, vocab - 1)
     temperature = parameters.temperature[:, None]
-
-    rows = jnp.arange(batch)[:, None]
     positions = jnp.arange(num_draft)[None, :]
 
     def at_tokens(logits, statistics):
         # A point gather, not a slice of the logits: XLA CPU would copy the slice.
-        logit = logits[rows, positions, tokens]
+        logit = entries_at(logits, positions, tokens, axis_name=axis_name)
         statistics = jax.tree.map(lambda x: x[:, :num_draft], statistics)
         return flush_subnormal(probability(logit, tokens, statistics, temperature))
 
@@ -411,6 +424,7 @@ def _draw(
     parameters: SamplingParameters,
     target: RowStatistics,
     draft: RowStatistics | None,
+    axis_name: str | None,
 ) -> tuple[Int[Array, " batch"], list[Failure]]:
     """The token at each row's stopping position $n$: the argmax of the target's
     logits for greedy rows; for sampled rows, drawn from $\\max(p_n - q_n, 0)$ (or
@@ -423,17 +437,17 @@ def _draw(
     subtracting = num_accepted < length
     draft_position = jnp.minimum(num_accepted, max(num_draft - 1, 0))
     target_row = _probability_rows(
-        target_logits, num_accepted, target, parameters.temperature
+        target_logits, num_accepted, target, parameters.temperature, axis_name
     )
     draft_row = None
     if draft_logits is not None and draft is not None and num_draft > 0:
         draft_row = _probability_rows(
-            draft_logits, draft_position, draft, parameters.temperature
+            draft_logits, draft_position, draft, parameters.temperature, axis_name
         )[:, None]
     rejected = None
     if num_draft > 0:
         rejected = jnp.take_along_axis(draft_tokens, draft_position[:, None], axis=1)
-    sampler = InverseCDF()
+    sampler = InverseCDF(axis_name=axis_name)
     summary = stopping_row_summary(
         jnp.zeros((batch,), jnp.int32),
         draft_row,
@@ -441,6 +455,7 @@ def _draw(
         block_size=sampler.block_size,
         num_draft_tokens=subtracting.astype(jnp.int32),
         draft_tokens=rejected,
+        axis_name=axis_name,
     )
     sampled = sample_residual(summary, sampler, sample_uniforms)
     greedy = target.argmax[rows, num_accepted]
@@ -453,17 +468,19 @@ def _draw(
 
 
 # Compiled on its own for the reason `request_statistics` is.
-@jax.jit
+@functools.partial(jax.jit, static_argnames="axis_name")
 def _probability_rows(
     logits: Float[Array, "batch positions vocab"],
     position: Int[Array, " batch"],
     statistics: RowStatistics,
     temperature: Float[Array, " batch"],
+    axis_name: str | None,
 ) -> Float[Array, "batch vocab"]:
     """The distribution of each row's logits at `position`, one `(batch, vocab)`
-    array and nothing else that size."""
+    array and nothing else that size (this device's slices of the rows, on a split
+    vocabulary)."""
     batch, _, vocab = logits.shape
-    tokens = jnp.arange(vocab)
+    tokens = jnp.arange(vocab) + vocab_offset(vocab, axis_name)
     rows = jnp.arange(batch)
     at_position = jax.tree.map(lambda x: x[rows, position], statistics)
     if not rows_one_at_a_time():

@@ -5,8 +5,8 @@ transformers and vLLM's main sampler apply them. One definition, used by
 are sampled from exactly the distributions they are verified against.
 
 For a row $\\ell$ with largest logit $m$ and temperature $T > 0$ the scaled logits are
-$s_v = (\\ell_v - m) / T$ ($0$ where $\\ell_v = m$, so that a tiny $T$ gives $-\\infty$,
-never NaN), and the row keeps the tokens with $s_v \\ge \\tau$:
+$s_v = (\\ell_v - m) \\cdot (1 / T)$ ($0$ where $\\ell_v = m$, so that a tiny $T$ gives
+$-\\infty$, never NaN), and the row keeps the tokens with $s_v \\ge \\tau$:
 
 - top-$k$: $\\tau_k$ is the $k$-th largest $s_v$, the largest $t$ with
     $\\#\\{v : s_v \\ge t\\} \\ge k$ (ties with it kept);
@@ -29,6 +29,7 @@ from cache (all at once on other backends: `speculax.row_strategy`); see
 `docs/from_logits.md` for the cost.
 """
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -36,9 +37,22 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt
 
-from .._core._numerics import BLOCK_SIZE, arithmetic_dtype, flush_subnormal
+from .._core._numerics import (
+    BLOCK_SIZE,
+    arithmetic_dtype,
+    flush_subnormal,
+    ordered_block_sums,
+)
 from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_row
+from .._core._vocab_axis import (
+    any_over_vocab,
+    count_over_vocab,
+    first_of_largest,
+    full_vocab,
+    gather_blocks,
+    max_over_vocab,
+)
 from ._parameters import SamplingParameters
 
 
@@ -70,15 +84,18 @@ def scaled_logits(
     maximum: Float[Array, "..."],
     temperature: Float[Array, "..."],
 ) -> Float[Array, "..."]:
-    """$s = (\\ell - m) / T$, exactly $0$ where $\\ell = m$ and $-\\infty$ where
-    $\\ell = -\\infty$ (and never $-0$ or subnormal), in the arithmetic dtype; $T = 0$
-    (greedy) is read as 1. Arguments broadcast."""
+    """$s = (\\ell - m) \\cdot (1 / T)$, exactly $0$ where $\\ell = m$ and $-\\infty$
+    where $\\ell = -\\infty$ (and never $-0$ or subnormal), in the arithmetic dtype;
+    $T = 0$ (greedy) is read as 1. Arguments broadcast."""
     shifted = logits.astype(maximum.dtype) - maximum
     divisor = jnp.where(temperature > 0, temperature, 1).astype(maximum.dtype)
-    # XLA CPU divides by multiplying with the reciprocal, which is subnormal, so
-    # zero, for a temperature above 1 / smallest normal (8.5e37 in float32): a -inf
-    # logit would become -inf * 0 = NaN rather than keep its probability 0.
-    scaled = jnp.where(shifted == -jnp.inf, -jnp.inf, shifted / divisor)
+    # A product with the reciprocal, written out: XLA CPU turns a division into one
+    # in some programs and not in others, which would give the same row different
+    # last bits in a batch, alone, or split over devices. The reciprocal is
+    # subnormal, so zero, for a temperature above 1 / smallest normal (8.5e37 in
+    # float32): a -inf logit would become -inf * 0 = NaN rather than keep its
+    # probability 0.
+    scaled = jnp.where(shifted == -jnp.inf, -jnp.inf, shifted * (1 / divisor))
     # Subnormal values flushed to zero, as XLA CPU compares them, and +0 added to
     # turn -0 into +0: the integer keys of the values then order them as every
     # comparison does.
@@ -102,13 +119,17 @@ def probability(
 
 # Compiled on its own, so that outside `jit` too the row loop reads the logits as an
 # argument, never as a constant folded into the program.
-@jax.jit
+@functools.partial(jax.jit, static_argnames="axis_name")
 def request_statistics(
     logits: Float[Array, "requests positions vocab"],
     parameters: SamplingParameters,
+    axis_name: str | None = None,
 ) -> RowStatistics:
     """The statistics of every row of every request, shape `(requests, positions)`,
-    each row under its request's parameters."""
+    each row under its request's parameters. Inside `jax.shard_map` with
+    `axis_name`, the mesh axis the vocabulary is split over, `logits` are this
+    device's slices of the rows, and the statistics those of the whole rows, the
+    same bits as on one device."""
     requests, positions, vocab = logits.shape
     dtype = arithmetic_dtype(logits)
 
@@ -120,6 +141,7 @@ def request_statistics(
         per_row(parameters.temperature.astype(dtype)),
         per_row(parameters.top_k),
         per_row(parameters.top_p.astype(dtype)),
+        axis_name,
     )
     return jax.tree.map(lambda x: x.reshape(requests, positions), statistics)
 
@@ -129,15 +151,17 @@ def row_statistics(
     temperature: Float[Array, " rows"],
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
+    axis_name: str | None = None,
 ) -> RowStatistics:
     """The `RowStatistics` of each row, a loop over chunks of rows (two when the
     rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
     repeated passes then read from cache; all at once elsewhere), reading each row
     from memory once. A chunk none of whose rows is truncated skips the threshold
     searches: temperature alone costs two passes over a row, one for its largest
-    logit and one for its normaliser.
+    logit and one for its normaliser. `axis_name` as for `request_statistics`.
     """
-    num_rows, vocab = logits.shape
+    num_rows = logits.shape[0]
+    vocab = full_vocab(logits.shape[1], axis_name)
     dtype = arithmetic_dtype(logits)
     if num_rows == 0:
         nothing = jnp.zeros((0,), dtype)
@@ -155,8 +179,8 @@ def row_statistics(
         operands = (block, temperature[rows], top_k[rows], top_p[rows])
         return jax.lax.cond(
             jnp.any(truncating[rows]),
-            _truncated_rows,
-            jax.vmap(_untruncated_row),
+            functools.partial(_truncated_rows, axis_name=axis_name),
+            jax.vmap(functools.partial(_untruncated_row, axis_name=axis_name)),
             *operands,
         )
 
@@ -173,16 +197,19 @@ class _Row(eqx.Module):
     blocks: Float[Array, "blocks block"]
     maximum: Float[Array, ""]
     argmax: Int[Array, ""]
-    scaled: Float[Array, " vocab"]
-    weights: Float[Array, " vocab"]
+    values: "_Values"
     mass: Float[Array, ""]
 
 
-def _row(logits: Float[Array, " vocab"], temperature: Float[Array, ""]) -> _Row:
-    blocks, maximum, argmax = _blocks(logits)
-    scaled = scaled_logits(logits, maximum, temperature)
-    weights = jnp.exp(scaled)
-    return _Row(blocks, maximum, argmax, scaled, weights, jnp.sum(weights))
+def _row(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""],
+    axis_name: str | None,
+) -> _Row:
+    blocks, largest, index = _blocks(logits)
+    argmax, maximum = first_of_largest(index, largest, logits.shape[0], axis_name)
+    values = _Values.of(scaled_logits(blocks, maximum, temperature), axis_name)
+    return _Row(blocks, maximum, argmax, values, values.total())
 
 
 def _untruncated_row(
@@ -190,9 +217,10 @@ def _untruncated_row(
     temperature: Float[Array, ""],
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
+    axis_name: str | None,
 ) -> RowStatistics:
     del top_k, top_p
-    row = _row(logits, temperature)
+    row = _row(logits, temperature, axis_name)
     return _statistics(row, jnp.array(-jnp.inf, row.mass.dtype), row.mass)
 
 
@@ -206,8 +234,9 @@ def _statistics(
     )
 
 
-# The searches read a row in groups of `GROUP_SIZE` tokens, at most `SEARCHED_GROUPS`
-# of them; a row whose kept tokens may lie in more groups is searched whole.
+# The searches read a row in groups of `GROUP_SIZE` tokens, at most
+# `SEARCHED_GROUPS` of them; a row whose kept tokens may lie in more (on any device
+# of its slices) is searched whole.
 GROUP_SIZE = 16
 SEARCHED_GROUPS = 512
 
@@ -217,73 +246,85 @@ def _truncated_rows(
     temperature: Float[Array, " rows"],
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
+    axis_name: str | None,
 ) -> RowStatistics:
     """The statistics of a chunk of rows some of which are truncated.
 
     The searches read only the groups of `GROUP_SIZE` tokens that can hold a kept
-    token: the groups' maxima bound the threshold from below (the $k$-th largest
-    group maximum for top-$k$; for top-$p$ alone, the largest group maximum whose
-    group maxima at or above it already hold the mass $p Z$), and a token below the
-    bound is never kept. For the peaked rows of language models that is a few
-    groups. Only when some row needs more than `SEARCHED_GROUPS`, or its bound does
-    not hold as summed, are the chunk's rows searched whole, and that row's answer
-    taken from there.
+    token: the groups' maxima bound the threshold from below (the
+    $k$-th largest group maximum for top-$k$; for top-$p$ alone, the largest group
+    maximum whose group maxima at or above it already hold the mass $p Z$), and a
+    token below the bound is never kept. For the peaked rows of language models
+    that is a few groups. Only when some row needs more than `SEARCHED_GROUPS`
+    (on any device), or its bound does not hold as summed, are the chunk's rows
+    searched whole, and that row's answer taken from there: the same answer, since
+    a search's answer does not depend on where it starts, and every mass is summed
+    in the same order either way (`_Values.mass`).
     """
-    few, pruned = jax.vmap(_searched_in_few_blocks)(logits, temperature, top_k, top_p)
+    few, pruned = jax.vmap(_searched_in_few_groups, in_axes=(0, 0, 0, 0, None))(
+        logits, temperature, top_k, top_p, axis_name
+    )
 
     def searched_whole():
-        whole = jax.vmap(_searched_whole)(logits, temperature, top_k, top_p)
+        whole = jax.vmap(_searched_whole, in_axes=(0, 0, 0, 0, None))(
+            logits, temperature, top_k, top_p, axis_name
+        )
         return jax.tree.map(lambda a, b: jnp.where(pruned, a, b), few, whole)
 
     return jax.lax.cond(jnp.all(pruned), lambda: few, searched_whole)
 
 
-def _searched_in_few_blocks(
+def _searched_in_few_groups(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
+    axis_name: str | None,
 ) -> tuple[RowStatistics, Bool[Array, ""]]:
     """The statistics of a row searched in the groups that can hold a kept token,
     and whether that sufficed (always, for a row that is not truncated)."""
-    vocab = logits.shape[0]
-    row = _row(logits, temperature)
+    vocab = full_vocab(logits.shape[0], axis_name)
+    row = _row(logits, temperature, axis_name)
     truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
-    block_size = row.blocks.shape[1]
+    num_blocks, block_size = row.blocks.shape
     # A row shorter than a block is one block, which groups may not divide.
     group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
     groups = row.blocks.reshape(-1, group_size)
-    group_maxima = _Values.of(
-        scaled_logits(jnp.max(groups, axis=-1), row.maximum, temperature)
+    per_block = block_size // group_size
+    group_maxima = _Values.placed(
+        scaled_logits(jnp.max(groups, axis=-1), row.maximum, temperature)[:, None],
+        None,
+        per_block,
+        num_blocks,
+        axis_name,
     )
-    lowest = _key(jnp.array(-jnp.inf, row.mass.dtype))
-    bound = jnp.where(
-        truncating_k,
-        _largest_holding(
-            group_maxima,
-            lambda key, count: count >= top_k,
-            lowest,
-            truncating_k & (top_k <= groups.shape[0]),
-        ),
-        _largest_holding(
-            group_maxima,
-            lambda key, count: group_maxima.mass(key) >= top_p * row.mass,
-            lowest,
-            truncating_p & ~truncating_k,
-        ),
+    bound = _bound(
+        group_maxima,
+        row.mass,
+        truncating_k & (top_k <= vocab // group_size),
+        truncating_p & ~truncating_k,
+        top_k,
+        top_p,
     )
-    candidate = group_maxima.keys >= bound
     # Empty slots point past the last group, which `take` fills with -inf (a
     # negative index would wrap round to the last group).
+    holding = group_maxima.keys[:, 0] >= bound
     (chosen,) = jnp.nonzero(
-        candidate,
+        holding,
         size=min(SEARCHED_GROUPS, groups.shape[0]),
         fill_value=groups.shape[0],
     )
     few = jnp.take(groups, chosen, axis=0, mode="fill", fill_value=-jnp.inf)
-    values = _Values.of(scaled_logits(few.reshape(-1), row.maximum, temperature))
+    values = _Values.placed(
+        scaled_logits(few, row.maximum, temperature),
+        _Runs.of_chosen(holding, chosen, per_block),
+        per_block,
+        num_blocks,
+        axis_name,
+    )
+    fit = jnp.sum(holding) <= chosen.shape[0]
     # The bound holds for the tokens read: exactly for a count; for a mass, as summed.
-    pruned = (jnp.sum(candidate) <= chosen.shape[0]) & (
+    pruned = ~any_over_vocab(~fit, axis_name) & (
         truncating_k | (values.mass(bound) >= top_p * row.mass)
     )
     truncating = truncating_k | truncating_p
@@ -302,16 +343,44 @@ def _searched_in_few_blocks(
     return _statistics(row, threshold, total), pruned | ~truncating
 
 
+def _bound(
+    group_maxima: "_Values",
+    mass: Float[Array, ""],
+    bounding_k: Bool[Array, ""],
+    bounding_p: Bool[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> Int[Array, ""]:
+    """A lower bound of the threshold from the groups' maxima, the same on every
+    device: the $k$-th largest (`bounding_k`), or for top-$p$ alone (`bounding_p`)
+    the largest whose group maxima at or above it hold the mass $p Z$; the key of
+    $-\\infty$ otherwise. The second is summed in an order the split may change:
+    any bound will do, since the caller checks it."""
+    lowest = _key(jnp.array(-jnp.inf, mass.dtype))
+    by_count = _largest_holding(
+        group_maxima, lambda key, count: count >= top_k, lowest, bounding_k
+    )
+    by_mass = _largest_holding(
+        group_maxima,
+        lambda key, count: group_maxima.mass_in_any_order(key) >= top_p * mass,
+        lowest,
+        bounding_p,
+    )
+    return jnp.where(bounding_k, by_count, by_mass)
+
+
 def _searched_whole(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
+    axis_name: str | None,
 ) -> RowStatistics:
-    row = _row(logits, temperature)
-    truncating_k, truncating_p = _truncating(logits.shape[0], temperature, top_k, top_p)
+    vocab = full_vocab(logits.shape[0], axis_name)
+    row = _row(logits, temperature, axis_name)
+    truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
     threshold, total = _search(
-        _Values(_key(row.scaled), row.weights),
+        row.values,
         row.mass,
         _key(jnp.array(-jnp.inf, row.mass.dtype)),
         truncating_k | truncating_p,
@@ -344,9 +413,9 @@ def _search(
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """The threshold $\\tau$ and the kept mass $Z$, searched among `values` (all of
-    the row's scaled logits with keys at or above `lowest`; `mass` is the
-    untruncated total, for top-$p$ alone)."""
+    """The threshold $\\tau$ and the kept mass $Z$, searched among the row's scaled
+    logits with keys at or above `lowest`, all in `values`; `mass` is the
+    untruncated total, for top-$p$ alone."""
     top_k_threshold = _largest_holding(
         values, lambda key, count: count >= top_k, lowest, searching & truncating_k
     )
@@ -361,25 +430,180 @@ def _search(
 
 
 class _Values(eqx.Module):
-    """Scaled logits as the searches read them: their integer keys, which order
-    them with no flushing of subnormal candidates, and their weights."""
+    """Scaled logits as the searches read them, in units of consecutive tokens
+    (rows of `keys`, in the order of the row): their integer keys, which order them
+    with no flushing of subnormal candidates, and their weights. On a split
+    vocabulary each device holds units of its own slice, and every count, sum and
+    maximum is over the whole row, the same on every device.
 
-    keys: Int[Array, " values"]
-    weights: Float[Array, " values"]
+    `runs` says how the units lie in the slice's `num_blocks` blocks of
+    `BLOCK_SIZE` tokens, `units_per_block` to a block (`None` for values that are
+    counted, never summed in order).
+    """
+
+    keys: Int[Array, "units unit"]
+    weights: Float[Array, "units unit"]
+    runs: "_Runs | None"
+    units_per_block: int = eqx.field(static=True)
+    num_blocks: int = eqx.field(static=True)
+    axis_name: str | None = eqx.field(static=True)
 
     @classmethod
-    def of(cls, scaled: Float[Array, " values"]) -> "_Values":
-        return cls(_key(scaled), jnp.exp(scaled))
+    def placed(
+        cls,
+        scaled: Float[Array, "units unit"],
+        runs: "_Runs | None",
+        units_per_block: int,
+        num_blocks: int,
+        axis_name: str | None,
+    ) -> "_Values":
+        """Scaled logits in units placed by `runs` (`None`: not to be summed in
+        order)."""
+        return cls(
+            _key(scaled),
+            jnp.exp(scaled),
+            runs,
+            units_per_block,
+            num_blocks,
+            axis_name,
+        )
+
+    @classmethod
+    def of(
+        cls, scaled: Float[Array, "blocks block"], axis_name: str | None
+    ) -> "_Values":
+        """The blocks of a row's scaled logits."""
+        num_blocks = scaled.shape[0]
+        runs = _Runs.of_blocks(num_blocks)
+        return cls.placed(scaled, runs, 1, num_blocks, axis_name)
 
     def count(self, key: Int[Array, ""]) -> Int[Array, ""]:
         """How many values are at or above the value of `key`."""
-        return jnp.sum(self.keys >= key, dtype=jnp.int32)
+        # Flat: XLA CPU reduces a flat array faster than one of two dimensions.
+        count = jnp.sum(self.keys.reshape(-1) >= key, dtype=jnp.int32)
+        return count_over_vocab(count, self.axis_name)
+
+    def largest_below(
+        self, high: Int[Array, ""], otherwise: Int[Array, ""]
+    ) -> Int[Array, ""]:
+        """The largest key below `high`, or `otherwise` if it is larger."""
+        keys = self.keys.reshape(-1)
+        largest = jnp.max(jnp.where(keys < high, keys, otherwise))
+        return max_over_vocab(largest, self.axis_name)
 
     def mass(self, key: Int[Array, ""]) -> Float[Array, ""]:
-        """The weights of the values at or above the value of `key`. A NaN value's
-        key lies above every other or below, by its sign: a row's faults are read
-        off its untruncated total instead."""
-        return jnp.sum(jnp.where(self.keys < key, 0, self.weights))
+        """The weights of the values at or above the value of `key`, summed as
+        `ordered_row_sums` sums the row with the others zeroed: the same bits from
+        any units that hold every value at or above `key`, alone or in a batch, on
+        one device or split. A NaN value's key lies above every other or below, by
+        its sign: a row's faults are read off its untruncated total instead."""
+        return self._ordered_sum(jnp.where(self.keys < key, 0, self.weights))
+
+    def total(self) -> Float[Array, ""]:
+        """The sum of all the weights, NaN where one is, as `mass` sums."""
+        return self._ordered_sum(self.weights)
+
+    def mass_in_any_order(self, key: Int[Array, ""]) -> Float[Array, ""]:
+        """`mass` summed in an order that depends on the units and the split (the
+        same on every device): for bounds only."""
+        local = jnp.sum(jnp.where(self.keys < key, 0, self.weights).reshape(-1))
+        return jnp.sum(gather_blocks(local[None], self.axis_name))
+
+    def _ordered_sum(self, weights: Float[Array, "units unit"]) -> Float[Array, ""]:
+        # `ordered_block_sums` adds a block's rows of 8 lanes one after another,
+        # then the lanes pairwise. Rows of zeros change nothing (x + 0 = x), so a
+        # block's lanes are the rows of its units here added in turn, the units of
+        # one block one after another (`_block_lanes`); the blocks are then summed
+        # in the order fixed by their number, as `ordered_row_sums` does.
+        lanes, block = self._block_lanes(weights)
+        width = lanes.shape[-1]
+        while width > 1:
+            width //= 2
+            lanes = lanes[..., :width] + lanes[..., width : 2 * width]
+        in_place = jnp.zeros(self.num_blocks, lanes.dtype)
+        in_place = in_place.at[block].set(lanes[:, 0], mode="drop")
+        row = gather_blocks(in_place, self.axis_name)
+        return ordered_block_sums(row, row.shape[-1], lanes=_LANES)[0]
+
+    def _block_lanes(
+        self, weights: Float[Array, "units unit"]
+    ) -> tuple[Float[Array, "units lanes"], Int[Array, " units"]]:
+        """The lanes of each block that holds units, at the last of its units, and
+        the block of each unit (past the last block for the others)."""
+        num_units, unit = weights.shape
+        rows = -(-unit // _LANES)
+        weights = jnp.pad(weights, ((0, 0), (0, rows * _LANES - unit)))
+        weights = weights.reshape(num_units, rows, _LANES)
+        if self.runs is None:
+            raise TypeError("these values are not placed to be summed in order")
+        first, rank = self.runs.first, self.runs.rank
+
+        def added(lanes):
+            # Each unit continues the lanes of the one before it in its block.
+            before = jnp.concatenate([jnp.zeros((1, _LANES), lanes.dtype), lanes[:-1]])
+            total = jnp.where(first[:, None], weights[:, 0], before + weights[:, 0])
+            for row in range(1, rows):
+                total = total + weights[:, row]
+            return total
+
+        if self.units_per_block == 1:
+            lanes = added(jnp.zeros((num_units, _LANES), weights.dtype))
+        else:
+            lanes = jax.lax.fori_loop(
+                0,
+                self.runs.turns,
+                lambda turn, lanes: jnp.where(
+                    (rank == turn)[:, None], added(lanes), lanes
+                ),
+                jnp.zeros((num_units, _LANES), weights.dtype),
+            )
+        return lanes, self.runs.last_in_block
+
+
+class _Runs(eqx.Module):
+    """The units of each block, in the order of the row, as `_Values._block_lanes`
+    adds them: whether a unit begins its block's run, its place in the run, the
+    longest run's length, and for the last unit of each run its block (past the
+    last block for the others and for the padding, which is never summed)."""
+
+    first: Bool[Array, " units"]
+    rank: Int[Array, " units"]
+    turns: Int[Array, ""]
+    last_in_block: Int[Array, " units"]
+
+    @classmethod
+    def of_blocks(cls, num_blocks: int) -> "_Runs":
+        """Each unit a whole block, in order."""
+        first = jnp.ones(num_blocks, bool)
+        rank = jnp.zeros(num_blocks, jnp.int32)
+        return cls(first, rank, jnp.ones((), jnp.int32), jnp.arange(num_blocks))
+
+    @classmethod
+    def of_chosen(
+        cls, holding: Bool[Array, " all"], chosen: Int[Array, " units"], per_block: int
+    ) -> "_Runs":
+        """The units `chosen` (in order, past the last for padding) of those
+        `holding`, `per_block` of which make a block."""
+        by_block = holding.reshape(-1, per_block).astype(jnp.int32)
+        before = (jnp.cumsum(by_block, axis=1) - by_block).reshape(-1)
+        in_block = jnp.sum(by_block, axis=1)
+        num_blocks = in_block.shape[0]
+        block = chosen // per_block
+        padding = block >= num_blocks
+        rank = jnp.take(before, chosen, mode="fill", fill_value=0)
+        rank = jnp.where(padding, 0, rank)
+        count = jnp.take(in_block, block, mode="fill", fill_value=1)
+        last = (rank == count - 1) & ~padding
+        return cls(
+            rank == 0,
+            rank,
+            jnp.max(in_block),
+            jnp.where(last, block, num_blocks),
+        )
+
+
+# The lanes of `ordered_block_sums`, whose order the masses follow.
+_LANES = 8
 
 
 def _bad(maximum: Float[Array, ""], total: Float[Array, ""]) -> Bool[Array, ""]:
@@ -428,7 +652,9 @@ def _largest_holding(
     Bisection over the integer keys, so that the answer is exact: the key of one of
     the `values` (or `lowest`). It stops after one step per bit at most, or as soon
     as one value is left between the bounds, which is then the answer: for the
-    distinct values of a real row, after about half the steps.
+    distinct values of a real row, after about half the steps. On a split
+    vocabulary every device takes the same steps, from counts and masses of the
+    whole row.
     """
     zero = _key(jnp.zeros((), values.weights.dtype))
     # Just above +0, where no scaled logit lies.
@@ -453,7 +679,7 @@ def _largest_holding(
 
     low, high, count_low, count_high = jax.lax.while_loop(narrowing, bisect, state)
     # One value left in [low, high): the largest key below high.
-    last = jnp.max(jnp.where(values.keys < high, values.keys, low))
+    last = values.largest_below(high, low)
     one_left = (_distance(low, high) > 1) & (count_low - count_high == 1)
     return jnp.where(one_left, last, low)
 

@@ -1,6 +1,8 @@
-"""The logits step on a mesh, with the batch split: each device verifies its rows
-under their own sampling parameters."""
+"""The logits step on a mesh: each device verifies its rows under their own
+sampling parameters, and the devices of a row's slices of the vocabulary compute
+its statistics together."""
 
+import dataclasses
 from collections.abc import Callable
 
 from jax.sharding import Mesh, PartitionSpec
@@ -11,7 +13,7 @@ from .._core._failures import RESULTS
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray
 from .._logits._step import LogitsStep, read_logits_inputs
-from ._mesh import check_divisible, run_on_mesh
+from ._mesh import check_divisible, check_no_other_axis, run_on_mesh
 
 
 def logits_step_on_mesh(
@@ -20,18 +22,12 @@ def logits_step_on_mesh(
     batch_axis: str | None,
     vocab_axis: str | None,
 ) -> Callable[..., tuple[StepOutput, RESULTS]]:
-    """`sharded_step` for the logits step, batch axis only, returning the output and
-    the result."""
-    if vocab_axis is not None:
-        raise ValueError(
-            "LogitsStep's truncation reads whole rows of logits, so it cannot split "
-            f"the vocabulary: vocab_axis must be None for it; got {vocab_axis!r}"
-        )
+    """`sharded_step` for the logits step, returning the output and the result."""
+    check_no_other_axis("step", step.axis_name, vocab_axis)
+    step = dataclasses.replace(step, axis_name=vocab_axis)
     rows = PartitionSpec(batch_axis)
     names = (
         "draft_tokens",
-        "draft_logits",
-        "target_logits",
         "accept_uniforms",
         "sample_uniforms",
         "temperature",
@@ -39,7 +35,10 @@ def logits_step_on_mesh(
         "top_p",
         "num_draft_tokens",
     )
-    run = run_on_mesh(step.with_result, mesh, dict.fromkeys(names, rows), batch_axis)
+    specs: dict[str, PartitionSpec] = dict.fromkeys(names, rows)
+    for name in ("draft_logits", "target_logits"):
+        specs[name] = PartitionSpec(batch_axis, None, vocab_axis)
+    run = run_on_mesh(step.with_result, mesh, specs, batch_axis)
 
     def sharded(
         draft_tokens: InputArray,
@@ -70,6 +69,7 @@ def logits_step_on_mesh(
             num_draft_tokens=num_draft_tokens,
         )
         check_divisible("batch", batch_axis, given.tokens.shape[0], mesh)
+        check_divisible("vocab", vocab_axis, given.target.shape[-1], mesh)
         return run(
             {
                 "draft_tokens": given.tokens,

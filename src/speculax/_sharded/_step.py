@@ -123,9 +123,14 @@ def sharded_step(
     it sums (`all_gather`), as does the final draw. Outputs are bit for bit those on
     one device, under the same condition as for the chain step.
 
-    [`speculax.LogitsStep`][] runs with a batch axis only, each device verifying
-    its rows under their own sampling parameters, with no communication: its
-    truncation reads whole rows of logits, so a vocabulary axis is refused.
+    [`speculax.LogitsStep`][] splits both as well, each row verified under its own
+    sampling parameters, which are split with the rows. With a vocabulary axis the
+    step is given `vocab_axis` as its `axis_name`, and the devices of a row compute
+    its statistics together: the largest logit and its index (`pmax`, `pmin`),
+    each bisection step's count (`psum`) and mass (the
+    $\\lceil V / 256 \\rceil$ block sums, `all_gather`), the logits at the draft
+    tokens (`psum`), and the final draw as for the chain step. Outputs are bit
+    for bit those on one device, under the same condition.
 
     **Arguments:**
 
@@ -136,7 +141,7 @@ def sharded_step(
     - `batch_axis`: keyword only, the name of the mesh axis that shards the batch, or
         `None`.
     - `vocab_axis`: keyword only, the name of the mesh axis that shards the
-        vocabulary, or `None` (always, for a `LogitsStep`).
+        vocabulary, or `None`.
     - `with_result`: keyword only, whether the function returns each row's
         outcome beside the output, as [`speculax.SpeculativeStep.with_result`][]
         does. Default `False`.
@@ -159,7 +164,7 @@ def sharded_step(
     `TypeError` for a `step` of another kind. `ValueError`, at once, for an axis
     name that is not in the mesh or given twice, a piece that cannot split the
     vocabulary (for a tree step, a sibling rule that is not elementwise), or a
-    vocabulary axis for a `LogitsStep`; when called, for the
+    step on another axis than `vocab_axis`; when called, for the
     structure errors of the single-device step, and a batch or vocabulary not
     divisible by the size of its axis. The value checks run as in the
     single-device step, on every device, after the last collective.
