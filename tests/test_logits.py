@@ -228,6 +228,43 @@ def test_the_row_statistics_do_not_depend_on_the_neighbouring_row():
         )
 
 
+def test_a_row_has_the_same_statistics_in_every_set_of_groups_searched():
+    """A row searched among 128 groups (its chunk's neighbour needs few), among 512
+    (the neighbour needs more than 128) and whole: the same threshold and
+    normaliser, bit for bit."""
+    from speculax._logits._truncation import (
+        FEW_GROUPS,
+        GROUP_SIZE,
+        SEARCHED_GROUPS,
+        _searched_whole,
+        row_statistics,
+    )
+
+    vocab = 16384
+    assert vocab // GROUP_SIZE > SEARCHED_GROUPS > FEW_GROUPS
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((2, vocab)), jnp.float32)
+    temperature = jnp.array([0.9, 0.9])
+    top_k, top_p = 40, 0.9
+    found = [
+        row_statistics(
+            logits,
+            temperature,
+            jnp.array([top_k, neighbour_k], jnp.int32),
+            jnp.array([top_p, 1.0], jnp.float32),
+        )
+        for neighbour_k in (5, 300)
+    ]
+    whole = jax.jit(_searched_whole, static_argnums=4)(
+        logits[0], temperature[0], jnp.int32(top_k), jnp.float32(top_p), None
+    )
+    for field in ("threshold", "total"):
+        for other in found:
+            np.testing.assert_array_equal(
+                getattr(other, field)[0], getattr(whole, field)
+            )
+
+
 def test_one_compilation_serves_every_mix_of_parameters():
     traces = []
 

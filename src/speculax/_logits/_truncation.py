@@ -234,10 +234,11 @@ def _statistics(
     )
 
 
-# The searches read a row in groups of `GROUP_SIZE` tokens, at most
-# `SEARCHED_GROUPS` of them; a row whose kept tokens may lie in more (on any device
-# of its slices) is searched whole.
+# The searches read a row in groups of `GROUP_SIZE` tokens, at most `FEW_GROUPS` of
+# them where every row of a chunk allows, else at most `SEARCHED_GROUPS`; a row
+# whose kept tokens may lie in more (on any device of its slices) is searched whole.
 GROUP_SIZE = 16
+FEW_GROUPS = 128
 SEARCHED_GROUPS = 512
 
 
@@ -255,14 +256,26 @@ def _truncated_rows(
     $k$-th largest group maximum for top-$k$; for top-$p$ alone, the largest group
     maximum whose group maxima at or above it already hold the mass $p Z$), and a
     token below the bound is never kept. For the peaked rows of language models
-    that is a few groups. Only when some row needs more than `SEARCHED_GROUPS`
-    (on any device), or its bound does not hold as summed, are the chunk's rows
-    searched whole, and that row's answer taken from there: the same answer, since
-    a search's answer does not depend on where it starts, and every mass is summed
-    in the same order either way (`_Values.mass`).
+    that is a few groups: the chunk's rows are searched among `FEW_GROUPS` of them
+    where that is enough for all, else among `SEARCHED_GROUPS`. Only when some row
+    needs more (on any device), or its bound does not hold as summed, are the
+    chunk's rows searched whole, and that row's answer taken from there: the same
+    answer, since a search's answer does not depend on where it starts, and every
+    mass is summed in the same order either way (`_Values.mass`).
     """
-    few, pruned = jax.vmap(_searched_in_few_groups, in_axes=(0, 0, 0, 0, None))(
+    rows = jax.vmap(_bounded, in_axes=(0, 0, 0, 0, None))(
         logits, temperature, top_k, top_p, axis_name
+    )
+    needed = max_over_vocab(jnp.max(rows.holding), axis_name)
+
+    def searched_among(most: int) -> Callable[[], tuple[RowStatistics, Array]]:
+        search = functools.partial(_searched_in_groups, most=most, axis_name=axis_name)
+        return lambda: jax.vmap(search)(logits, temperature, top_k, top_p, rows)
+
+    few, pruned = jax.lax.cond(
+        needed <= FEW_GROUPS,
+        searched_among(FEW_GROUPS),
+        searched_among(SEARCHED_GROUPS),
     )
 
     def searched_whole():
@@ -274,30 +287,29 @@ def _truncated_rows(
     return jax.lax.cond(jnp.all(pruned), lambda: few, searched_whole)
 
 
-def _searched_in_few_groups(
+class _Bounded(eqx.Module):
+    """A row's statistics before its thresholds: the `_Row`'s, the search's lower
+    bound, and how many groups of this device's slice can hold a kept token."""
+
+    maximum: Float[Array, ""]
+    argmax: Int[Array, ""]
+    mass: Float[Array, ""]
+    bound: Int[Array, ""]
+    holding: Int[Array, ""]
+
+
+def _bounded(
     logits: Float[Array, " vocab"],
     temperature: Float[Array, ""],
     top_k: Int[Array, ""],
     top_p: Float[Array, ""],
     axis_name: str | None,
-) -> tuple[RowStatistics, Bool[Array, ""]]:
-    """The statistics of a row searched in the groups that can hold a kept token,
-    and whether that sufficed (always, for a row that is not truncated)."""
+) -> _Bounded:
     vocab = full_vocab(logits.shape[0], axis_name)
     row = _row(logits, temperature, axis_name)
     truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
-    num_blocks, block_size = row.blocks.shape
-    # A row shorter than a block is one block, which groups may not divide.
-    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
-    groups = row.blocks.reshape(-1, group_size)
-    per_block = block_size // group_size
-    group_maxima = _Values.placed(
-        scaled_logits(jnp.max(groups, axis=-1), row.maximum, temperature)[:, None],
-        None,
-        per_block,
-        num_blocks,
-        axis_name,
-    )
+    group_maxima = _group_maxima(row, temperature, axis_name)
+    group_size = row.blocks.size // group_maxima.keys.shape[0]
     bound = _bound(
         group_maxima,
         row.mass,
@@ -306,31 +318,72 @@ def _searched_in_few_groups(
         top_k,
         top_p,
     )
+    holding = jnp.sum(group_maxima.keys >= bound, dtype=jnp.int32)
+    return _Bounded(row.maximum, row.argmax, row.mass, bound, holding)
+
+
+def _group_maxima(
+    row: _Row, temperature: Float[Array, ""], axis_name: str | None
+) -> "_Values":
+    """The largest scaled logit of each group of the row, a unit of one value."""
+    num_blocks, block_size = row.blocks.shape
+    # A row shorter than a block is one block, which groups may not divide.
+    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
+    maxima = jnp.max(row.blocks.reshape(-1, group_size), axis=-1)
+    return _Values.placed(
+        scaled_logits(maxima, row.maximum, temperature)[:, None],
+        None,
+        block_size // group_size,
+        num_blocks,
+        axis_name,
+    )
+
+
+def _searched_in_groups(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+    bounded: _Bounded,
+    *,
+    most: int,
+    axis_name: str | None,
+) -> tuple[RowStatistics, Bool[Array, ""]]:
+    """The statistics of a row searched in the groups that can hold a kept token,
+    at most `most` of them, and whether that sufficed (always, for a row that is
+    not truncated)."""
+    vocab = full_vocab(logits.shape[0], axis_name)
+    truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
+    blocks, _, _ = _blocks(logits)
+    num_blocks, block_size = blocks.shape
+    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
+    per_block = block_size // group_size
+    groups = blocks.reshape(-1, group_size)
+    maximum, bound = bounded.maximum, bounded.bound
+    scaled_maxima = scaled_logits(jnp.max(groups, axis=-1), maximum, temperature)
+    holding = _key(scaled_maxima) >= bound
     # Empty slots point past the last group, which `take` fills with -inf (a
     # negative index would wrap round to the last group).
-    holding = group_maxima.keys[:, 0] >= bound
     (chosen,) = jnp.nonzero(
-        holding,
-        size=min(SEARCHED_GROUPS, groups.shape[0]),
-        fill_value=groups.shape[0],
+        holding, size=min(most, groups.shape[0]), fill_value=groups.shape[0]
     )
     few = jnp.take(groups, chosen, axis=0, mode="fill", fill_value=-jnp.inf)
     values = _Values.placed(
-        scaled_logits(few, row.maximum, temperature),
+        scaled_logits(few, maximum, temperature),
         _Runs.of_chosen(holding, chosen, per_block),
         per_block,
         num_blocks,
         axis_name,
     )
-    fit = jnp.sum(holding) <= chosen.shape[0]
+    fit = bounded.holding <= chosen.shape[0]
     # The bound holds for the tokens read: exactly for a count; for a mass, as summed.
     pruned = ~any_over_vocab(~fit, axis_name) & (
-        truncating_k | (values.mass(bound) >= top_p * row.mass)
+        truncating_k | (values.mass(bound) >= top_p * bounded.mass)
     )
     truncating = truncating_k | truncating_p
     threshold, total = _search(
         values,
-        row.mass,
+        bounded.mass,
         bound,
         truncating & pruned,
         truncating_k,
@@ -339,8 +392,10 @@ def _searched_in_few_groups(
         top_p,
     )
     threshold = jnp.where(truncating, threshold, -jnp.inf)
-    total = jnp.where(truncating, total, row.mass)
-    return _statistics(row, threshold, total), pruned | ~truncating
+    total = jnp.where(truncating, total, bounded.mass)
+    bad = _bad(maximum, bounded.mass)
+    statistics = RowStatistics(maximum, bounded.argmax, threshold, total, bad)
+    return statistics, pruned | ~truncating
 
 
 def _bound(
