@@ -24,9 +24,13 @@ sums (top-$p$) against a candidate, at most 32 steps each (64 for float64), and 
 search stops as soon as one value is left between the bounds. The steps read only
 the groups of `GROUP_SIZE` tokens whose maximum reaches a lower bound of the
 threshold found from the groups' maxima, or the whole row when there are too many.
-On CPU the rows are processed two at a time, so that the repeated passes read a row
-from cache (all at once on other backends: `speculax.row_strategy`); see
-`docs/from_logits.md` for the cost.
+Every sum, $Z$ and the masses compared, is added in the fixed order of
+`ordered_row_sums`, so that a row has the same bits searched in a few groups or
+whole, alone or in a batch, and split over devices (`axis_name`, see
+`docs/sharding.md`), where counts and maxima combine exactly. On CPU the rows are
+processed two at a time, so that the repeated passes read a row from cache (all at
+once on other backends: `speculax.row_strategy`); see `docs/from_logits.md` for
+the cost.
 """
 
 import functools

@@ -185,7 +185,11 @@ def _reject(
     mass = rows.mass(left)
     fallback = mass == 0
     left = jnp.where(fallback, own_target, left)
-    mass = jnp.where(fallback, rows.mass(left), mass)
+    # The own row's mass only where it stands in: on a split vocabulary each sum
+    # gathers the row's block sums. A scalar out of the conditional, not a row.
+    mass = jax.lax.cond(
+        fallback, lambda: rows.mass(own_target).astype(mass.dtype), lambda: mass
+    )
     draft_mass = rows.mass(draft)
     draft = jnp.where(draft_mass > 0, draft / draft_mass, 0)
     # The node's rows as given are checked whole at its first failed test: a bad
