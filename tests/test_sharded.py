@@ -43,7 +43,9 @@ def _run_checks(*options: str) -> dict:
         [sys.executable, str(HERE / "sharded_checks.py"), *options],
         capture_output=True,
         text=True,
-        timeout=600,
+        # The extended tier's logits run takes 7 minutes alone, 11 beside another
+        # run on the two cores.
+        timeout=1500,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -60,7 +62,7 @@ def _checks(shared: Path | None, *options: str) -> dict:
     try:
         os.close(os.open(stem.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
     except FileExistsError:
-        for _ in range(1200):
+        for _ in range(1800):
             if done.exists():
                 return json.loads(done.read_text())
             assert not failed.exists(), failed.read_text()
