@@ -216,33 +216,25 @@ def counts(strategy: str, names: tuple[str, ...]) -> dict[str, dict[int, int]]:
         }
 
 
-# The default tier checks the two steps of the other test below; the rest are slow.
-@pytest.mark.parametrize(
-    "name",
-    [
-        name
-        if name in ("default", "traversal")
-        else pytest.param(name, marks=pytest.mark.slow)
-        for name in STEP_NAMES
-    ],
-)
+# The default tier checks two steps under each strategy, one with a genuine while
+# loop; the rest are slow.
+TIERED_STEP_NAMES = [
+    name
+    if name in ("default", "traversal")
+    else pytest.param(name, marks=pytest.mark.slow)
+    for name in STEP_NAMES
+]
+
+
+@pytest.mark.parametrize("name", TIERED_STEP_NAMES)
 def test_all_at_once_runs_no_loop_over_the_batch(name):
     got = counts("all at once", (name,))[name]
     print(f"{name}, all at once: {got}")
     assert got[32] == got[4], got
 
 
-# The count sees a loop over the batch: on the CPU's path every step has one. The
-# default tier checks two steps, one with a genuine while loop.
-@pytest.mark.parametrize(
-    "name",
-    [
-        name
-        if name in ("default", "traversal")
-        else pytest.param(name, marks=pytest.mark.slow)
-        for name in STEP_NAMES
-    ],
-)
+# The count sees a loop over the batch: on the CPU's path every step has one.
+@pytest.mark.parametrize("name", TIERED_STEP_NAMES)
 def test_one_at_a_time_loops_over_the_batch(name):
     got = counts("one at a time", (name,))[name]
     print(f"{name}, one at a time: {got}")
