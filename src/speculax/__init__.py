@@ -30,6 +30,10 @@ from ._inputs._tree_formats import (
 )
 from ._logits._probs import probs_from_logits as probs_from_logits
 from ._logits._step import LogitsStep as LogitsStep
+from ._loop._cache import (
+    AbstractCachedModel as AbstractCachedModel,
+    Cacheless as Cacheless,
+)
 from ._loop._keys import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,

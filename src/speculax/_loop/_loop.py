@@ -1,6 +1,6 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
-from typing import Any, final
+from typing import final
 
 import equinox as eqx
 import jax
@@ -12,6 +12,7 @@ from .._core._checks import check_static_int
 from .._core._numerics import as_index, index_array
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
+from ._cache import AbstractCachedModel, as_cached_model, empty_cache, read_history
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
 from ._round import append_verified, draft_chain, score_chain
@@ -33,6 +34,13 @@ class SpeculativeLoop(eqx.Module):
     are distributed exactly as if sampled from the target one at a time. For
     temperature or truncation, make them part of the models: wrap each to return,
     say, `logits / temperature`.
+
+    A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
+    it with the prompts in one call, and each round writes $G + 1$ slots of each
+    model's cache and reads no slot of a rejected draft, so that a call costs the
+    new tokens, not the history. A plain [`speculax.LanguageModel`][], which reads
+    the whole history at every call, is wrapped in [`speculax.Cacheless`][]; for the
+    same keys the tokens are the same either way.
 
     Both softmaxes are computed in JAX's default float dtype (float32, float64
     under x64), or in the logits' dtype if it is wider: never in half precision.
@@ -116,8 +124,8 @@ class SpeculativeLoop(eqx.Module):
 
     def __call__(
         self,
-        draft_model: LanguageModel,
-        target_model: LanguageModel,
+        draft_model: AbstractCachedModel | LanguageModel,
+        target_model: AbstractCachedModel | LanguageModel,
         prompt: InputArray,
         *,
         key: KeyArray,
@@ -127,9 +135,12 @@ class SpeculativeLoop(eqx.Module):
 
         **Arguments:**
 
-        - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s, callables
-            `(tokens, positions) -> logits` on the same vocabulary. Equinox modules
-            (or any PyTree of arrays) are traced, not baked in as constants.
+        - `draft_model`, `target_model`: models on the same vocabulary, each a
+            [`speculax.AbstractCachedModel`][], which reads only the new tokens at
+            each call, or a [`speculax.LanguageModel`][], a callable
+            `(tokens, positions) -> logits` that reads the whole history (the loop
+            wraps it in [`speculax.Cacheless`][]). Equinox modules (or any PyTree of
+            arrays) are traced, not baked in as constants.
         - `prompt`: integer `(B, P)`, the prompts, $P \\ge 1$.
         - `key`: keyword only, a JAX PRNG key, or one per row (shape `(B,)`) to make
             each row's tokens independent of the batch it runs in.
@@ -151,40 +162,59 @@ class SpeculativeLoop(eqx.Module):
         prompt, prompt_lengths = _index_inputs(prompt, prompt_lengths)
         return _generate(
             self,
-            draft_model,
-            target_model,
+            as_cached_model(draft_model, "draft_model"),
+            as_cached_model(target_model, "target_model"),
             prompt,
             prompt_lengths,
             row_keys(key, prompt.shape[0]),
         )
 
     def start(
-        self, prompt: Int[Array, "batch prompt"], prompt_length: Int[Array, " batch"]
+        self,
+        draft_model: AbstractCachedModel | LanguageModel,
+        target_model: AbstractCachedModel | LanguageModel,
+        prompt: Int[Array, "batch prompt"],
+        prompt_length: Int[Array, " batch"],
     ) -> LoopState:
-        """The state before the first step.
+        """The state before the first step: each model's cache filled with the
+        prompts, in one call of each.
 
         **Arguments:**
 
+        - `draft_model`, `target_model`: [`speculax.AbstractCachedModel`][]s, or
+            [`speculax.LanguageModel`][]s, which are given a cache by
+            [`speculax.Cacheless`][].
         - `prompt`: int32 `(B, P)`, the prompts.
         - `prompt_length`: int32 `(B,)`, each in `[1, P]`.
 
         **Returns:**
 
         A [`speculax.LoopState`][] whose buffer holds each prompt, with room for
-        `max_new_tokens` tokens and the drafts of one step beyond.
+        `max_new_tokens` tokens and the drafts of one step beyond, and whose caches
+        have a slot for each entry of the buffer.
         """
+        draft_model = as_cached_model(draft_model, "draft_model")
+        target_model = as_cached_model(target_model, "target_model")
         batch = prompt.shape[0]
         padding = jnp.zeros(
             (batch, self.max_new_tokens + self.num_draft + 1), jnp.int32
         )
+        buffer = jnp.concatenate([prompt, padding], axis=1)
+        slots = buffer.shape[1]
+        if self.num_draft:
+            _, draft_cache = read_history(draft_model, prompt, slots, "draft_model")
+        else:
+            draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
         return LoopState(
-            buffer=jnp.concatenate([prompt, padding], axis=1),
+            buffer=buffer,
             prompt_length=prompt_length,
             length=prompt_length,
             done=jnp.zeros((batch,), jnp.bool_),
             num_steps=jnp.zeros((batch,), jnp.int32),
             num_accepted=jnp.full((batch, self.max_new_tokens), -1, jnp.int32),
             step=jnp.zeros((), jnp.int32),
+            draft_cache=draft_cache,
+            target_cache=read_history(target_model, prompt, slots, "target_model")[1],
         )
 
     def uniforms(
@@ -224,8 +254,8 @@ class SpeculativeLoop(eqx.Module):
 
     def advance(
         self,
-        draft_model: LanguageModel,
-        target_model: LanguageModel,
+        draft_model: AbstractCachedModel | LanguageModel,
+        target_model: AbstractCachedModel | LanguageModel,
         state: LoopState,
         draft_uniforms: Float[Array, "batch draft"],
         accept_uniforms: Float[Array, "batch draft"],
@@ -240,7 +270,7 @@ class SpeculativeLoop(eqx.Module):
 
         **Arguments:**
 
-        - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+        - `draft_model`, `target_model`: the models `start` was given.
         - `state`: the [`speculax.LoopState`][] before the step.
         - `draft_uniforms`: float `(B, G)`, draft token $i$ drawn from $q_i$ by
             inverse CDF with uniform $i$.
@@ -252,15 +282,24 @@ class SpeculativeLoop(eqx.Module):
         The [`speculax.LoopState`][] after the step. A finished row keeps its
         history and counts (its buffer past the history takes the step's drafts).
         """
-        buffer, draft_tokens, draft_probs = draft_chain(
+        draft_model = as_cached_model(draft_model, "draft_model")
+        target_model = as_cached_model(target_model, "target_model")
+        buffer, draft_tokens, draft_probs, draft_cache = draft_chain(
             draft_model, state, draft_uniforms, self.num_draft
         )
-        target_probs = score_chain(target_model, buffer, state.length, self.num_draft)
+        target_probs, target_cache = score_chain(
+            target_model, buffer, state, self.num_draft
+        )
         verified = self.step(
             draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
         )
         return append_verified(
-            state, buffer, verified, self.max_new_tokens, self.end_token
+            state,
+            buffer,
+            (draft_cache, target_cache),
+            verified,
+            self.max_new_tokens,
+            self.end_token,
         )
 
     def output(self, state: LoopState) -> LoopOutput:
@@ -317,8 +356,8 @@ def _index_inputs(
 @eqx.filter_jit
 def _generate(
     loop: SpeculativeLoop,
-    draft_model: Any,
-    target_model: Any,
+    draft_model: AbstractCachedModel,
+    target_model: AbstractCachedModel,
     prompt: Int[Array, "batch prompt"],
     prompt_length: Int[Array, " batch"],
     row_key: Key[Array, " batch"],
@@ -330,7 +369,10 @@ def _generate(
         (prompt_length < 1) | (prompt_length > prompt.shape[1]),
         f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
     )
-    vocab = jax.eval_shape(target_model, prompt, prompt[:, :1]).shape[-1]
+    slots = prompt.shape[1] + loop.max_new_tokens + loop.num_draft + 1
+    vocab = jax.eval_shape(
+        lambda: read_history(target_model, prompt, slots, "target_model")[0]
+    ).shape[-1]
     if loop.end_token is not None and loop.end_token >= vocab:
         raise ValueError(
             f"end_token must lie in [0, V) = [0, {vocab}); got {loop.end_token}"
@@ -347,7 +389,6 @@ def _generate(
             draft_model, target_model, state, *loop.uniforms(row_key, state.step)
         )
 
-    final = jax.lax.while_loop(
-        lambda state: ~state.done.all(), body, loop.start(prompt, prompt_length)
-    )
+    start = loop.start(draft_model, target_model, prompt, prompt_length)
+    final = jax.lax.while_loop(lambda state: ~state.done.all(), body, start)
     return loop.output(final)

@@ -8,12 +8,13 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._chain._step import StepOutput
 from .._pieces._sampling import InverseCDF
-from ._model import LanguageModel, model_probs, probs_dtype
+from ._cache import AbstractCachedModel, Cache, causal_mask
+from ._model import model_probs, probs_dtype
 from ._state import LoopState
 
 
 def draft_chain(
-    draft_model: LanguageModel,
+    draft_model: AbstractCachedModel,
     state: LoopState,
     draft_uniforms: Float[Array, "batch draft"],
     num_draft: int,
@@ -21,80 +22,141 @@ def draft_chain(
     Int[Array, "batch time"],
     Int[Array, "batch draft"],
     Float[Array, "batch draft vocab"],
+    Cache,
 ]:
     """Draws each row's $G$ draft tokens one at a time, token $i$ from $q_i$ by
     inverse CDF with uniform $i$, writing each into the buffer past the row's
     history before the draft model reads it for the next.
 
+    The first call reads the history's last two tokens again (one, for a history of
+    one token), since the draft model has not read the last draft of the round
+    before when all were kept, nor the token drawn after them; each later call reads
+    the draft before.
+
     **Arguments:**
 
-    - `draft_model`: a [`speculax.LanguageModel`][].
+    - `draft_model`: a [`speculax.AbstractCachedModel`][].
     - `state`: the [`speculax.LoopState`][] before the round.
     - `draft_uniforms`: float `(B, G)`.
     - `num_draft`: $G$, a static integer.
 
     **Returns:**
 
-    `(buffer, draft_tokens, draft_probs)`: the int32 `(B, T)` buffer with the drafts
-    at positions `length` to `length + G - 1`, the int32 `(B, G)` drafts, and the
-    `(B, G, V)` rows $q_i$ they were drawn from, in `probs_dtype`.
+    `(buffer, draft_tokens, draft_probs, draft_cache)`: the int32 `(B, T)` buffer
+    with the drafts at positions `length` to `length + G - 1`, the int32 `(B, G)`
+    drafts, the `(B, G, V)` rows $q_i$ they were drawn from, in `probs_dtype`, and
+    the draft model's cache after reading the history and $G - 1$ drafts.
     """
-    batch = state.buffer.shape[0]
-    rows = jnp.arange(batch)
-    last = state.length - 1
-    logits_shape = jax.eval_shape(draft_model, state.buffer, last[:, None])
-
-    def draft(i: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
-        buffer, draft_probs = carry
-        logits = draft_model(buffer, (last + i)[:, None])[:, 0]
-        # The same rows are drawn from and given to the step: q_i is one array.
-        probs = model_probs(logits)
-        token = InverseCDF()(probs, draft_uniforms[:, i])
-        buffer = buffer.at[rows, state.length + i].set(token)
-        return buffer, draft_probs.at[:, i].set(probs)
-
-    draft_probs = jnp.zeros(
-        (batch, num_draft, logits_shape.shape[-1]), probs_dtype(logits_shape.dtype)
+    if num_draft == 0:
+        no_drafts = jnp.zeros((state.length.shape[0], 0), jnp.int32)
+        return state.buffer, no_drafts, _no_rows(draft_model, state), state.draft_cache
+    rows = jnp.arange(state.buffer.shape[0])
+    first = jnp.maximum(state.length - 2, 0)
+    window = first[:, None] + jnp.arange(2)
+    logits, cache = draft_model(
+        jnp.take_along_axis(state.buffer, window, axis=1),
+        window,
+        jnp.broadcast_to(causal_mask(2), (rows.shape[0], 2, 2)),
+        state.draft_cache,
+        first,
     )
-    buffer = state.buffer
-    # Traced even for zero iterations, where there is no uniform to index.
-    if num_draft > 0:
-        buffer, draft_probs = jax.lax.fori_loop(
-            0, num_draft, draft, (buffer, draft_probs)
+    buffer, probs = _drawn(
+        state, state.buffer, logits[rows, state.length - 1 - first], draft_uniforms, 0
+    )
+    draft_probs = jnp.zeros((*probs.shape[:1], num_draft, probs.shape[1]), probs.dtype)
+
+    def draft(i: Int[Array, ""], carry: tuple[Array, Array, Cache]) -> tuple:
+        buffer, draft_probs, cache = carry
+        position = (state.length - 1 + i)[:, None]
+        logits, cache = draft_model(
+            jnp.take_along_axis(buffer, position, axis=1),
+            position,
+            jnp.ones((rows.shape[0], 1, 1), jnp.bool_),
+            cache,
+            position[:, 0],
         )
+        buffer, probs = _drawn(state, buffer, logits[:, 0], draft_uniforms, i)
+        return buffer, draft_probs.at[:, i].set(probs), cache
+
+    buffer, draft_probs, cache = jax.lax.fori_loop(
+        1, num_draft, draft, (buffer, draft_probs.at[:, 0].set(probs), cache)
+    )
     draft_tokens = jnp.take_along_axis(
         buffer, state.length[:, None] + jnp.arange(num_draft), axis=1
     )
-    return buffer, draft_tokens, draft_probs
+    return buffer, draft_tokens, draft_probs, cache
+
+
+def _drawn(
+    state: LoopState,
+    buffer: Int[Array, "batch time"],
+    logits: Float[Array, "batch vocab"],
+    draft_uniforms: Float[Array, "batch draft"],
+    i: Int[Array, ""] | int,
+) -> tuple[Int[Array, "batch time"], Float[Array, "batch vocab"]]:
+    """Draft token $i$ drawn from $q_i$, the softmax of `logits`, and written into
+    the buffer; with $q_i$, the same array the step is given."""
+    probs = model_probs(logits)
+    token = InverseCDF()(probs, draft_uniforms[:, i])
+    rows = jnp.arange(buffer.shape[0])
+    return buffer.at[rows, state.length + i].set(token), probs
+
+
+def _no_rows(
+    model: AbstractCachedModel, state: LoopState
+) -> Float[Array, "batch 0 vocab"]:
+    """The draft rows of a round without drafts: `(B, 0, V)`, in `probs_dtype`."""
+    window = state.buffer[:, :1]
+    logits = jax.eval_shape(
+        model,
+        window,
+        window,
+        jnp.ones((*window.shape, 1), jnp.bool_),
+        state.draft_cache,
+        state.length,
+    )[0]
+    return jnp.zeros((window.shape[0], 0, logits.shape[-1]), probs_dtype(logits.dtype))
 
 
 def score_chain(
-    target_model: LanguageModel,
+    target_model: AbstractCachedModel,
     buffer: Int[Array, "batch time"],
-    length: Int[Array, " batch"],
+    state: LoopState,
     num_draft: int,
-) -> Float[Array, "batch positions vocab"]:
+) -> tuple[Float[Array, "batch positions vocab"], Cache]:
     """The target's rows $p_0, \\dots, p_G$ for each row's drafts, in one call: $p_i$
     the softmax of the target's logits after the history and the first $i$ drafts.
 
     **Arguments:**
 
-    - `target_model`: a [`speculax.LanguageModel`][].
+    - `target_model`: a [`speculax.AbstractCachedModel`][].
     - `buffer`: int32 `(B, T)`, each history followed by its $G$ drafts.
-    - `length`: int32 `(B,)`, the length of each history.
+    - `state`: the [`speculax.LoopState`][] before the round, with the history's
+        length and the target's cache.
     - `num_draft`: $G$, a static integer.
 
     **Returns:**
 
-    The `(B, G + 1, V)` rows $p_i$, in `probs_dtype`.
+    `(target_probs, target_cache)`: the `(B, G + 1, V)` rows $p_i$, in
+    `probs_dtype`, and the target's cache after reading the history's last token
+    and the drafts.
     """
-    positions = (length - 1)[:, None] + jnp.arange(num_draft + 1)
-    return model_probs(target_model(buffer, positions))
+    positions = (state.length - 1)[:, None] + jnp.arange(num_draft + 1)
+    mask = causal_mask(num_draft + 1)
+    logits, cache = target_model(
+        jnp.take_along_axis(buffer, positions, axis=1),
+        positions,
+        jnp.broadcast_to(mask, (buffer.shape[0], *mask.shape)),
+        state.target_cache,
+        state.length - 1,
+    )
+    return model_probs(logits), cache
 
 
 def append_verified(
     state: LoopState,
     buffer: Int[Array, "batch time"],
+    caches: tuple[Cache, Cache],
     verified: StepOutput,
     max_new_tokens: int,
     end_token: int | None,
@@ -107,6 +169,9 @@ def append_verified(
 
     - `state`: the [`speculax.LoopState`][] before the round.
     - `buffer`: int32 `(B, T)`, `state.buffer` with the round's drafts written.
+    - `caches`: the draft and target models' caches after the round's calls: the
+        slots of rejected drafts lie past the new history and are written over by
+        the next round.
     - `verified`: the step's [`speculax.StepOutput`][] on those drafts.
     - `max_new_tokens`: $N$, a static integer.
     - `end_token`: the static token id that ends a row, or `None`.
@@ -140,6 +205,8 @@ def append_verified(
             jnp.where(active, verified["num_accepted"], -1)
         ),
         step=state.step + 1,
+        draft_cache=caches[0],
+        target_cache=caches[1],
     )
 
 

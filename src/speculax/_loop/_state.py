@@ -3,7 +3,7 @@
 from typing import TypedDict, final
 
 import equinox as eqx
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 
 class LoopOutput(TypedDict):
@@ -44,6 +44,12 @@ class LoopState(eqx.Module):
     - `num_accepted`: int32 `(B, N)`, the draft tokens the step accepted in each
         step, `-1` for steps not taken.
     - `step`: int32 scalar, the number of steps taken by the batch.
+    - `draft_cache`, `target_cache`: each model's cache (see
+        [`speculax.AbstractCachedModel`][]), arrays of shape `(B, P + N + G + 1,
+        ...)`, one slot per entry of the buffer. The target's first `length - 1`
+        slots hold the history, all but its last token; the draft's first
+        `length - 2` (the round reads the last two tokens again, the draft having
+        not read the last draft it proposed).
     """
 
     buffer: Int[Array, "batch time"]
@@ -53,3 +59,5 @@ class LoopState(eqx.Module):
     num_steps: Int[Array, " batch"]
     num_accepted: Int[Array, "batch new"]
     step: Int[Array, ""]
+    draft_cache: PyTree[Shaped[Array, "batch time ..."]]
+    target_cache: PyTree[Shaped[Array, "batch time ..."]]

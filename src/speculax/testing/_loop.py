@@ -10,17 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._loop._cache import AbstractCachedModel, as_cached_model
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
-from .._loop._model import LanguageModel, model_probs
+from .._loop._model import LanguageModel
 from .._loop._state import LoopState
 from ._chain import in_chunks
+from ._loop_caches import cache_faults, check_caches, filled_caches
 from ._loop_cells import (
     Constraints,
     Leaf,
     Name,
     States,
     history_buffer,
+    history_probs,
     step_leaves,
 )
 
@@ -67,6 +70,17 @@ def loop_output_distribution(
     numbers that a later step reads again are carried into that step; the others are
     forgotten, and states with the same history and the same intervals are merged.
 
+    Models with a cache ([`speculax.AbstractCachedModel`][]) have each state's
+    caches filled with its history in one call. In every cell the enumeration
+    checks, for each model, that this gives the loop's own outcome, and raises
+    otherwise: the logits of the round's calls after the cached history are those of
+    reading the whole history at once; the outcome does not change when the slots
+    at or past `cache_length` hold other entries (the loop leaves rejected drafts
+    there); and after the step the slots the next step reads as history hold what
+    reading the new history in one call writes. The comparisons are for equality,
+    which suits exact models; a float model whose entries depend, by rounding, on
+    how many tokens a call read is refused.
+
     Everything runs under `jax.enable_x64(True)`, where the loop computes its
     probabilities in float64 whatever the dtype of the models' logits (see
     [`speculax.SpeculativeLoop`][]), and the enumeration computes them with the
@@ -89,7 +103,8 @@ def loop_output_distribution(
 
     **Raises:**
 
-    `ValueError` for an empty prompt, an acceptance test seen not to be monotone in
+    `ValueError` for an empty prompt, a cache that fails a check above, an
+    acceptance test seen not to be monotone in
     its uniform, residual weights without positive mass where they are drawn from, a
     sampler seen to draw a token on more than one interval of its uniform or a token
     outside $[0, V)$, a step that did not do in a cell what the cell implies, or
@@ -233,9 +248,9 @@ def loop_lossless_error(
 
 @eqx.filter_jit
 def _next_token_probs(
-    model: LanguageModel, buffer: jax.Array, length: jax.Array
+    model: AbstractCachedModel | LanguageModel, buffer: jax.Array, length: jax.Array
 ) -> tuple[jax.Array]:
-    return (model_probs(model(buffer, (length - 1)[:, None])[:, 0]),)
+    return (history_probs(model, buffer, (length - 1)[:, None])[:, 0],)
 
 
 def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
@@ -312,7 +327,7 @@ def _outcomes(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
     )
-    buffer, length, num_accepted, done = in_chunks(
+    buffer, length, num_accepted, done, faults = in_chunks(
         lambda *rows: _advance(
             loop,
             draft_model,
@@ -327,6 +342,7 @@ def _outcomes(
         np.array([leaf.accept_uniforms for leaf in leaves]).reshape(batch, num_draft),
         np.array([leaf.sample_uniform for leaf in leaves]),
     )
+    check_caches(faults)
     generated = [
         tuple(row[len(prompt) : row_length].tolist())
         for row, row_length in zip(buffer, length, strict=True)
@@ -337,8 +353,8 @@ def _outcomes(
 @eqx.filter_jit
 def _advance(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: AbstractCachedModel | LanguageModel,
+    target_model: AbstractCachedModel | LanguageModel,
     prompt_length: jax.Array,
     step: jax.Array,
     buffer: jax.Array,
@@ -346,25 +362,32 @@ def _advance(
     draft_uniforms: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
-    step `step`: the new buffer, lengths, drafts kept and finished flags."""
+    step `step`, each model's cache filled with the history in one call: the new
+    buffer, lengths, drafts kept and finished flags, and the faults of each row's
+    caches (see `cache_faults`)."""
+    models = (
+        as_cached_model(draft_model, "draft_model"),
+        as_cached_model(target_model, "target_model"),
+    )
     batch = buffer.shape[0]
-    state = LoopState(
-        buffer=buffer,
-        prompt_length=jnp.full((batch,), prompt_length, jnp.int32),
-        length=length,
-        done=jnp.zeros((batch,), jnp.bool_),
-        num_steps=jnp.zeros((batch,), jnp.int32),
-        num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
-        step=jnp.int32(step),
-    )
-    after = loop.advance(
-        draft_model,
-        target_model,
-        state,
-        draft_uniforms,
-        accept_uniforms,
-        sample_uniforms,
-    )
-    return after.buffer, after.length, after.num_accepted[:, step], after.done
+
+    def advanced(caches: tuple) -> LoopState:
+        state = LoopState(
+            buffer=buffer,
+            prompt_length=jnp.full((batch,), prompt_length, jnp.int32),
+            length=length,
+            done=jnp.zeros((batch,), jnp.bool_),
+            num_steps=jnp.zeros((batch,), jnp.int32),
+            num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
+            step=jnp.int32(step),
+            draft_cache=caches[0],
+            target_cache=caches[1],
+        )
+        uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
+        return loop.advance(*models, state, *uniforms)
+
+    after = advanced(filled_caches(loop, models, buffer))
+    faults = cache_faults(loop, models, buffer, length, advanced, after)
+    return after.buffer, after.length, after.num_accepted[:, step], after.done, faults

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._chain._step import SpeculativeStep
+from .._loop._cache import AbstractCachedModel, as_cached_model, read_history
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel, model_probs
@@ -187,8 +188,7 @@ def _draft_sequences(
     of `num_states` states are not too many to enumerate."""
     num_draft = loop.num_draft
     vocab = jax.eval_shape(
-        target_model,
-        jax.ShapeDtypeStruct((1, 1), jnp.int32),
+        lambda tokens: history_probs(target_model, tokens, tokens),
         jax.ShapeDtypeStruct((1, 1), jnp.int32),
     ).shape[-1]
     sequences = np.array(
@@ -356,8 +356,8 @@ def _run_step_pieces(
     step = loop.step
     rows, num_draft = draft_tokens.shape
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    draft_probs = model_probs(draft_model(buffer, positions[:, :-1]))
-    target_probs = model_probs(target_model(buffer, positions))
+    draft_probs = history_probs(draft_model, buffer, positions[:, :-1])
+    target_probs = history_probs(target_model, buffer, positions)
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
             step.acceptance, draft_tokens, draft_probs, target_probs
@@ -367,6 +367,19 @@ def _run_step_pieces(
         monotone = jnp.ones((rows, 0), jnp.bool_)
     weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
     return draft_probs, thresholds, monotone, weights
+
+
+def history_probs(
+    model: AbstractCachedModel | LanguageModel,
+    buffer: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
+    """The model's probabilities after the tokens of `buffer` up to each of
+    `positions`, `(B, K, V)`, from one call that reads the whole buffer into an
+    empty cache: the history as it is, whatever a loop's cache holds."""
+    model = as_cached_model(model, "model")
+    logits, _ = read_history(model, buffer, buffer.shape[1], "model")
+    return model_probs(jnp.take_along_axis(logits, positions[..., None], axis=1))
 
 
 def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:

@@ -1,0 +1,252 @@
+"""The loop with models that keep a cache: the same tokens as without one, bit for
+bit; lossless by exact enumeration; the enumeration refusing a cache that reads or
+keeps a rejected draft; and the interface's checks."""
+
+import functools
+from typing import Literal, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, Bool, Float, Int
+from scipy import stats
+
+import speculax
+import speculax.testing
+from test_loop import STAT_TOKENS, MarkovModel, markov_pair, sequence_counts
+
+
+Fault = Literal["reads rejected drafts", "writes nothing", "overwrites the history"]
+
+
+@final
+class CachedMarkovModel(speculax.AbstractCachedModel):
+    """`MarkovModel` with a cache of the tokens it has read: the next token depends
+    on the last `context` tokens, each found among the new tokens a token sees or,
+    before them, in the cache.
+
+    A `fault` makes it wrong in one of the ways a cache goes wrong: reading a slot
+    past `cache_length` wherever the cache has an entry (a rejected draft's, after a
+    rejection), never writing the new tokens (the next call reads the slots as they
+    were), or writing the first new token over the history's last slot as well.
+    """
+
+    logits: Float[np.ndarray, "contexts vocab"]
+    context: int = eqx.field(static=True)
+    fault: Fault | None = eqx.field(static=True, default=None)
+
+    def init_cache(self, batch: int, max_length: int) -> Int[Array, "batch slots"]:
+        return jnp.full((batch, max_length), -1, jnp.int32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: Int[Array, "batch slots"],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
+        vocab = self.logits.shape[-1]
+        row = jnp.zeros(positions.shape, jnp.int32)
+        for back in range(self.context):
+            earlier = jnp.maximum(positions - back, 0)
+            # The new token at that position among those each one sees, if any.
+            seen = mask & (positions[:, None, :] == earlier[:, :, None])
+            new = jnp.sum(jnp.where(seen, tokens[:, None, :], 0), axis=-1)
+            cached = jnp.take_along_axis(cache, earlier, axis=1)
+            if self.fault == "reads rejected drafts":
+                token = jnp.where(cached >= 0, cached, new)
+            else:
+                token = jnp.where(seen.any(axis=-1), new, cached)
+            row = row * vocab + token
+        if self.fault != "writes nothing":
+            slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
+            cache = cache.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens)
+        if self.fault == "overwrites the history":
+            last = jnp.maximum(cache_length - 1, 0)
+            written = jnp.where(cache_length > 0, tokens[:, 0], cache[:, 0])
+            cache = cache.at[jnp.arange(tokens.shape[0]), last].set(written)
+        return jnp.asarray(self.logits)[row], cache
+
+
+def cached(model: MarkovModel, fault: Fault | None = None) -> CachedMarkovModel:
+    return CachedMarkovModel(model.logits, model.context, fault)
+
+
+@functools.cache
+def bit_for_bit_loop(num_draft: int) -> speculax.SpeculativeLoop:
+    return speculax.SpeculativeLoop(num_draft=num_draft, max_new_tokens=12, end_token=3)
+
+
+@pytest.mark.parametrize("num_draft", [0, 1, 3])
+@pytest.mark.parametrize(
+    "which",
+    [
+        "both",
+        # One model with a cache beside one without: the extended tier.
+        pytest.param("target", marks=pytest.mark.slow),
+        pytest.param("draft", marks=pytest.mark.slow),
+    ],
+)
+def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
+    draft, target = markov_pair(4, 2, seed=num_draft)
+    loop = bit_for_bit_loop(num_draft)
+    rows = 48
+    rng = np.random.default_rng(num_draft)
+    prompt = jnp.asarray(rng.integers(0, 4, size=(rows, 3)))
+    # Prompts of one token too: the draft then reads one token, not two, first.
+    lengths = jnp.asarray(rng.integers(1, 4, size=rows))
+    keys = jax.random.split(jax.random.key(num_draft), rows)
+    plain = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
+    models = {
+        "both": (cached(draft), cached(target)),
+        "target": (draft, cached(target)),
+        "draft": (cached(draft), target),
+    }[which]
+    out = loop(*models, prompt, key=keys, prompt_lengths=lengths)
+    for name in plain:
+        np.testing.assert_array_equal(out[name], plain[name], err_msg=name)
+    # Not vacuous: rows of every length, with drafts rejected and kept.
+    if num_draft:
+        accepted = np.asarray(out["num_accepted"])
+        assert (accepted == 0).any() and (accepted == num_draft).any()
+    assert len(set(np.asarray(out["num_tokens"]).tolist())) > 1
+
+
+@pytest.mark.slow
+def test_a_faulty_cache_changes_the_tokens():
+    # What the enumeration refuses below is a real fault of the jitted loop too.
+    draft, target = markov_pair(4, 2, seed=1)
+    loop = bit_for_bit_loop(3)
+    prompt = jnp.zeros((32, 2), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 32)
+    plain = loop(draft, target, prompt, key=keys)["tokens"]
+    for fault in ("reads rejected drafts", "writes nothing"):
+        models = (cached(draft, fault), cached(target, fault))
+        tokens = loop(*models, prompt, key=keys)["tokens"]
+        assert (np.asarray(tokens) != np.asarray(plain)).any(), fault
+
+
+@pytest.mark.parametrize(
+    ("num_draft", "end_token", "step"),
+    [
+        (2, None, speculax.SpeculativeStep()),
+        pytest.param(1, 2, speculax.block_step(), marks=pytest.mark.slow),
+        pytest.param(0, None, speculax.SpeculativeStep(), marks=pytest.mark.slow),
+    ],
+    ids=["G2", "block G1 end", "G0"],
+)
+def test_cached_loop_is_lossless_exactly(num_draft, end_token, step):
+    draft, target = markov_pair(3, 2, seed=num_draft)
+    loop = speculax.SpeculativeLoop(
+        num_draft=num_draft, max_new_tokens=4, end_token=end_token, step=step
+    )
+    error = speculax.testing.loop_lossless_error(
+        loop, cached(draft), cached(target), [1, 0]
+    )
+    assert error < 1e-12
+
+
+@pytest.mark.parametrize(
+    ("fault", "faulty", "match"),
+    [
+        ("reads rejected drafts", "target", "target_model reads its cache at or past"),
+        pytest.param(
+            "reads rejected drafts",
+            "draft",
+            "draft_model reads its cache at or past",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "writes nothing",
+            "target",
+            "target_model gives other logits",
+            marks=pytest.mark.slow,
+        ),
+        ("writes nothing", "draft", "draft_model gives other logits"),
+        (
+            "overwrites the history",
+            "target",
+            "target_model's cache after a step differs",
+        ),
+        pytest.param(
+            "overwrites the history",
+            "draft",
+            "draft_model's cache after a step differs",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_exact_test_refuses_a_faulty_cache(fault, faulty, match):
+    draft, target = markov_pair(3, 2, seed=2)
+    models = {"draft": cached(draft), "target": cached(target)}
+    models[faulty] = cached(models[faulty], fault)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=match):
+        speculax.testing.loop_output_distribution(
+            loop, models["draft"], models["target"], [1, 0]
+        )
+
+
+def test_jitted_cached_loop_samples_the_target():
+    draft, target = markov_pair(3, 1, seed=11)
+    loop = speculax.SpeculativeLoop(
+        num_draft=3, max_new_tokens=STAT_TOKENS, end_token=2
+    )
+    observed, expected = sequence_counts(loop, cached(draft), cached(target))
+    assert len(observed) > 15
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+MARKOV = MarkovModel(np.zeros((3, 3)), 1)
+
+
+@final
+class WrongLayout(speculax.AbstractCachedModel):
+    """A cache with the slots on the wrong axis."""
+
+    def init_cache(self, batch, max_length):
+        return jnp.zeros((max_length, batch), jnp.int32)
+
+    def __call__(self, tokens, positions, mask, cache, cache_length):
+        return jnp.zeros((*tokens.shape, 3)), cache
+
+
+def test_loop_refuses_a_cache_of_the_wrong_layout():
+    loop = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
+    prompt = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"target_model.init_cache\(2, 5\) must"):
+        loop(
+            MarkovModel(np.zeros((3, 3)), 1),
+            WrongLayout(),
+            prompt,
+            key=jax.random.key(0),
+        )
+
+
+def test_loop_refuses_a_model_that_is_not_one():
+    loop = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
+    # With runtime type checking on (as in the tests), it fails there, naming it too.
+    with pytest.raises(TypeError, match="draft_model"):
+        loop(
+            3,
+            MarkovModel(np.zeros((3, 3)), 1),
+            jnp.zeros((1, 1), jnp.int32),
+            key=jax.random.key(0),
+        )
+
+
+def test_cacheless_refuses_a_tree():
+    model = speculax.Cacheless(MARKOV)
+    tokens, start = jnp.zeros((1, 3), jnp.int32), jnp.zeros(1, jnp.int32)
+    cache = model.init_cache(1, 4)
+    chain = jnp.tril(jnp.ones((1, 3, 3), jnp.bool_))
+    logits, written = model(tokens + 1, jnp.arange(3)[None], chain, cache, start)
+    assert logits.shape == (1, 3, 3)
+    assert written.tolist() == [[1, 1, 1, 0]]
+    # A root with two children, both at position 1.
+    tree = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], jnp.bool_)
+    with pytest.raises(Exception, match="Cacheless scores chains only"):
+        model(tokens, jnp.array([[0, 1, 1]]), tree, cache, start)
