@@ -119,7 +119,7 @@ class Cacheless(AbstractCachedModel):
         slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
         positions = eqx.error_if(
             positions,
-            (positions != slots).any() | (mask != causal_mask(mask.shape[1])).any(),
+            (positions != slots).any() | (mask != jnp.tril(jnp.ones_like(mask))).any(),
             "speculax.Cacheless scores chains only: each new token at the position "
             "of its slot (cache_length + k), seeing the tokens before it",
         )
@@ -141,11 +141,6 @@ def as_cached_model(model: Any, name: str) -> AbstractCachedModel:
     )
 
 
-def causal_mask(size: int) -> Bool[Array, "new new"]:
-    """The mask of a chain of `size` new tokens: each sees itself and those before."""
-    return jnp.tril(jnp.ones((size, size), jnp.bool_))
-
-
 def empty_cache(
     model: AbstractCachedModel, batch: int, max_length: int, name: str
 ) -> Cache:
@@ -162,6 +157,33 @@ def empty_cache(
     return cache
 
 
+def read_chain(
+    model: AbstractCachedModel,
+    buffer: Int[Array, "batch time"],
+    first: Int[Array, " batch"],
+    width: int,
+    cache: Cache,
+) -> tuple[Float[Array, "batch new vocab"], Cache]:
+    """Reads the `width` tokens of each row of `buffer` from slot `first` on, as a
+    chain (each at the position of its slot, seeing those before it), after the
+    `first` slots of `cache`.
+
+    **Returns:**
+
+    `(logits, cache)`: the `(B, width, V)` logits after each token, and the cache
+    with their entries written.
+    """
+    window = first[:, None] + jnp.arange(width)
+    mask = jnp.tril(jnp.ones((width, width), jnp.bool_))
+    return model(
+        jnp.take_along_axis(buffer, window, axis=1),
+        window,
+        jnp.broadcast_to(mask, (buffer.shape[0], width, width)),
+        cache,
+        first,
+    )
+
+
 def read_history(
     model: AbstractCachedModel,
     tokens: Int[Array, "batch time"],
@@ -176,7 +198,5 @@ def read_history(
     `(logits, cache)`: the logits after each token, `(B, T, V)`, and the cache.
     """
     batch, width = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    mask = jnp.broadcast_to(causal_mask(width), (batch, width, width))
     cache = empty_cache(model, batch, max_length, name)
-    return model(tokens, positions, mask, cache, jnp.zeros((batch,), jnp.int32))
+    return read_chain(model, tokens, jnp.zeros((batch,), jnp.int32), width, cache)

@@ -8,7 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._chain._step import StepOutput
 from .._pieces._sampling import InverseCDF
-from ._cache import AbstractCachedModel, Cache, causal_mask
+from ._cache import AbstractCachedModel, Cache, read_chain
 from ._model import model_probs, probs_dtype
 from ._state import LoopState
 
@@ -52,14 +52,7 @@ def draft_chain(
         return state.buffer, no_drafts, _no_rows(draft_model, state), state.draft_cache
     rows = jnp.arange(state.buffer.shape[0])
     first = jnp.maximum(state.length - 2, 0)
-    window = first[:, None] + jnp.arange(2)
-    logits, cache = draft_model(
-        jnp.take_along_axis(state.buffer, window, axis=1),
-        window,
-        jnp.broadcast_to(causal_mask(2), (rows.shape[0], 2, 2)),
-        state.draft_cache,
-        first,
-    )
+    logits, cache = read_chain(draft_model, state.buffer, first, 2, state.draft_cache)
     buffer, probs = _drawn(
         state, state.buffer, logits[rows, state.length - 1 - first], draft_uniforms, 0
     )
@@ -67,14 +60,7 @@ def draft_chain(
 
     def draft(i: Int[Array, ""], carry: tuple[Array, Array, Cache]) -> tuple:
         buffer, draft_probs, cache = carry
-        position = (state.length - 1 + i)[:, None]
-        logits, cache = draft_model(
-            jnp.take_along_axis(buffer, position, axis=1),
-            position,
-            jnp.ones((rows.shape[0], 1, 1), jnp.bool_),
-            cache,
-            position[:, 0],
-        )
+        logits, cache = read_chain(draft_model, buffer, state.length - 1 + i, 1, cache)
         buffer, probs = _drawn(state, buffer, logits[:, 0], draft_uniforms, i)
         return buffer, draft_probs.at[:, i].set(probs), cache
 
@@ -106,16 +92,11 @@ def _no_rows(
     model: AbstractCachedModel, state: LoopState
 ) -> Float[Array, "batch 0 vocab"]:
     """The draft rows of a round without drafts: `(B, 0, V)`, in `probs_dtype`."""
-    window = state.buffer[:, :1]
     logits = jax.eval_shape(
-        model,
-        window,
-        window,
-        jnp.ones((*window.shape, 1), jnp.bool_),
-        state.draft_cache,
-        state.length,
+        lambda: read_chain(model, state.buffer, state.length - 1, 1, state.draft_cache)
     )[0]
-    return jnp.zeros((window.shape[0], 0, logits.shape[-1]), probs_dtype(logits.dtype))
+    batch = state.buffer.shape[0]
+    return jnp.zeros((batch, 0, logits.shape[-1]), probs_dtype(logits.dtype))
 
 
 def score_chain(
@@ -141,14 +122,8 @@ def score_chain(
     `probs_dtype`, and the target's cache after reading the history's last token
     and the drafts.
     """
-    positions = (state.length - 1)[:, None] + jnp.arange(num_draft + 1)
-    mask = causal_mask(num_draft + 1)
-    logits, cache = target_model(
-        jnp.take_along_axis(buffer, positions, axis=1),
-        positions,
-        jnp.broadcast_to(mask, (buffer.shape[0], *mask.shape)),
-        state.target_cache,
-        state.length - 1,
+    logits, cache = read_chain(
+        target_model, buffer, state.length - 1, num_draft + 1, state.target_cache
     )
     return model_probs(logits), cache
 

@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._loop._cache import AbstractCachedModel, causal_mask, empty_cache, read_history
+from .._loop._cache import (
+    AbstractCachedModel,
+    empty_cache,
+    read_chain,
+    read_history,
+)
 from .._loop._loop import SpeculativeLoop
 from .._loop._state import LoopState
 
@@ -117,10 +122,8 @@ def _reads_as_whole(
     whole, _ = read_history(model, buffer, buffer.shape[1], "model")
     agree = jnp.ones(buffer.shape[:1], jnp.bool_)
     for first, width in calls:
+        logits, cache = read_chain(model, buffer, first, width, cache)
         window = first[:, None] + jnp.arange(width)
-        mask = jnp.broadcast_to(causal_mask(width), (buffer.shape[0], width, width))
-        tokens = jnp.take_along_axis(buffer, window, axis=1)
-        logits, cache = model(tokens, window, mask, cache, first)
         expected = jnp.take_along_axis(whole, window[..., None], axis=1)
         agree &= (logits == expected).reshape(buffer.shape[0], -1).all(axis=1)
     return agree
