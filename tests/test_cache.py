@@ -80,14 +80,18 @@ def bit_for_bit_loop(num_draft: int) -> speculax.SpeculativeLoop:
     return speculax.SpeculativeLoop(num_draft=num_draft, max_new_tokens=12, end_token=3)
 
 
-@pytest.mark.parametrize("num_draft", [0, 1, 3])
 @pytest.mark.parametrize(
-    "which",
+    ("num_draft", "which"),
     [
-        "both",
-        # One model with a cache beside one without: the extended tier.
-        pytest.param("target", marks=pytest.mark.slow),
-        pytest.param("draft", marks=pytest.mark.slow),
+        (3, "both"),
+        # Fewer drafts, and one model with a cache beside one without: the
+        # extended tier.
+        *(
+            pytest.param(num_draft, which, marks=pytest.mark.slow)
+            for num_draft in (0, 1, 3)
+            for which in ("both", "target", "draft")
+            if (num_draft, which) != (3, "both")
+        ),
     ],
 )
 def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
@@ -165,7 +169,12 @@ def test_cached_loop_is_lossless_exactly(num_draft, end_token, step):
             "target_model gives other logits",
             marks=pytest.mark.slow,
         ),
-        ("writes nothing", "draft", "draft_model gives other logits"),
+        pytest.param(
+            "writes nothing",
+            "draft",
+            "draft_model gives other logits",
+            marks=pytest.mark.slow,
+        ),
         (
             "overwrites the history",
             "target",
@@ -190,6 +199,7 @@ def test_exact_test_refuses_a_faulty_cache(fault, faulty, match):
         )
 
 
+@pytest.mark.slow
 def test_jitted_cached_loop_samples_the_target():
     draft, target = markov_pair(3, 1, seed=11)
     loop = speculax.SpeculativeLoop(

@@ -43,6 +43,10 @@ from ._loop._keys import (
 )
 from ._loop._loop import SpeculativeLoop as SpeculativeLoop
 from ._loop._model import LanguageModel as LanguageModel
+from ._loop._sampling import (
+    AbstractDraftSampling as AbstractDraftSampling,
+    SameAsTarget as SameAsTarget,
+)
 from ._loop._state import LoopOutput as LoopOutput, LoopState as LoopState
 from ._pieces._acceptance import (
     AbstractAcceptance as AbstractAcceptance,

@@ -5,17 +5,24 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Key
+from jaxtyping import Array, ArrayLike, Float, Int, Key
 
 from .._chain._step import SpeculativeStep
 from .._core._checks import check_static_int
 from .._core._numerics import as_index, index_array
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
+from .._logits._step import LogitsStep
 from ._cache import AbstractCachedModel, as_cached_model, empty_cache, read_history
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
-from ._round import append_verified, draft_chain, score_chain
+from ._round import append_verified, draft_chain, score_chain, verify_chain
+from ._sampling import (
+    AbstractDraftSampling,
+    RowParameters,
+    SameAsTarget,
+    row_parameters,
+)
 from ._state import LoopOutput, LoopState
 
 
@@ -31,9 +38,11 @@ class SpeculativeLoop(eqx.Module):
     Draft token $i$ is drawn from $q_i = \\mathrm{softmax}$ of the draft model's
     logits by inverse CDF, and $p_i$ is the softmax of the target's; with a
     lossless step (the default rejection sampling, block verification) the tokens
-    are distributed exactly as if sampled from the target one at a time. For
-    temperature or truncation, make them part of the models: wrap each to return,
-    say, `logits / temperature`.
+    are distributed exactly as if sampled from the target one at a time. With
+    sampling parameters per row (temperature, top-$k$, top-$p$, given to the call),
+    $p_i$ and $q_i$ are the models' logits under the row's parameters, as
+    [`speculax.probs_from_logits`][] defines them, and the tokens are distributed as
+    if sampled from the target under them.
 
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each
@@ -42,12 +51,14 @@ class SpeculativeLoop(eqx.Module):
     the whole history at every call, is wrapped in [`speculax.Cacheless`][]; for the
     same keys the tokens are the same either way.
 
-    Both softmaxes are computed in JAX's default float dtype (float32, float64
-    under x64), or in the logits' dtype if it is wider: never in half precision.
-    The rows $q_i$ the draft is drawn from are the rows the step reads. For a model
-    with float16 or bfloat16 logits, the target's distribution is the softmax of
-    those half-precision numbers, and the loop samples it exactly, up to the
-    rounding of float32 arithmetic.
+    Without sampling parameters, both softmaxes are computed in JAX's default
+    float dtype (float32, float64 under x64), or in the logits' dtype if it is
+    wider: never in half precision. With them, in float32, or float64 for float64
+    logits under x64, as [`speculax.probs_from_logits`][] computes. The rows $q_i$
+    the draft is drawn from are the rows the step reads. For a model with float16
+    or bfloat16 logits, the target's distribution is the softmax of those
+    half-precision numbers, and the loop samples it exactly, up to the rounding of
+    float32 arithmetic.
 
     **Arguments:**
 
@@ -57,19 +68,24 @@ class SpeculativeLoop(eqx.Module):
         integer. $G = 0$ samples the target alone, one token per call.
     - `max_new_tokens`: $N$, the number of tokens to generate per row, a positive
         static integer.
-    - `step`: the verification step, a [`speculax.SpeculativeStep`][]: the default
-        one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
-        composition of pieces. Nothing else: the loop drafts a chain and passes
-        probabilities, so a [`speculax.LogitsStep`][] (its sampling parameters
-        belong in the models), a [`speculax.TreeStep`][] or a
-        [`speculax.TraversalStep`][] raises a `TypeError`. It must check values and
-        raise (`check_values=True`, `throw=True`, the defaults). Default
+    - `step`: the verification step: a [`speculax.SpeculativeStep`][] (the
+        default one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
+        composition of pieces), given the rows $q_i$ and $p_i$; or a
+        [`speculax.LogitsStep`][], given both models' logits and the rows'
+        parameters, which makes no `(B, G + 1, V)` array of probabilities. A
+        [`speculax.TreeStep`][] or a [`speculax.TraversalStep`][] raises a
+        `TypeError`: the loop drafts a chain. It must check values and raise
+        (`check_values=True`, `throw=True`, the defaults). Default
         `SpeculativeStep()`.
     - `end_token`: a static token id that ends a row when generated, or `None` (the
         default) for none.
     - `key_schedule`: the [`speculax.AbstractKeySchedule`][] of the random numbers;
         default
         [`speculax.FoldInKeys`][], under which none is used twice.
+    - `draft_sampling`: the [`speculax.AbstractDraftSampling`][] that makes the
+        rows $q_i$ the drafts are drawn from; default [`speculax.SameAsTarget`][],
+        the draft model's logits under the row's parameters, the only one that is
+        lossless with a [`speculax.LogitsStep`][].
 
     **Example:**
 
@@ -94,22 +110,29 @@ class SpeculativeLoop(eqx.Module):
 
     num_draft: int = eqx.field(static=True, kw_only=True)
     max_new_tokens: int = eqx.field(static=True, kw_only=True)
-    step: SpeculativeStep = eqx.field(default=SpeculativeStep(), kw_only=True)
+    step: SpeculativeStep | LogitsStep = eqx.field(
+        default=SpeculativeStep(), kw_only=True
+    )
     end_token: int | None = eqx.field(static=True, default=None, kw_only=True)
     key_schedule: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
+    draft_sampling: AbstractDraftSampling = eqx.field(
+        default=SameAsTarget(), kw_only=True
+    )
 
     def __check_init__(self):
         # Runtime type checking (jaxtyping with beartype) would catch this, but it
-        # is opt-in; without it a LogitsStep would run on probabilities as if they
-        # were logits: wrong tokens, no error.
-        if not isinstance(self.step, SpeculativeStep):
+        # is opt-in; without it a tree step would fail deep inside the first call.
+        if not isinstance(self.step, SpeculativeStep | LogitsStep):
             raise TypeError(
-                "step must be a speculax.SpeculativeStep, the chain step on "
-                "probabilities (the default, greedy_step(), block_step() or any "
-                f"composition of pieces); got a {type(self.step).__name__}. The "
-                "loop drafts chains and passes probabilities: a LogitsStep's "
-                "sampling parameters belong in the models, and a tree step needs a "
-                "tree drafter"
+                "step must be a speculax.SpeculativeStep (the default, "
+                "greedy_step(), block_step() or any composition of pieces) or a "
+                f"speculax.LogitsStep; got a {type(self.step).__name__}. The loop "
+                "drafts chains: a tree step needs a tree drafter"
+            )
+        if isinstance(self.step, LogitsStep) and self.step.axis_name is not None:
+            raise ValueError(
+                "step.axis_name must be None: the loop calls its step on whole rows "
+                "of logits, not inside shard_map"
             )
         check_static_int("num_draft", self.num_draft, minimum=0)
         check_static_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -130,6 +153,9 @@ class SpeculativeLoop(eqx.Module):
         *,
         key: KeyArray,
         prompt_lengths: InputArray | None = None,
+        temperature: ArrayLike | None = None,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
     ) -> LoopOutput:
         """Generates up to `max_new_tokens` tokens after each prompt.
 
@@ -146,6 +172,15 @@ class SpeculativeLoop(eqx.Module):
             each row's tokens independent of the batch it runs in.
         - `prompt_lengths`: keyword only, integer `(B,)` in `[1, P]`: row $b$'s
             prompt is its first `prompt_lengths[b]` tokens. Default $P$ for all.
+        - `temperature`, `top_k`, `top_p`: keyword only, each row's sampling
+            parameters, as [`speculax.LogitsStep`][] takes them (a Python number, a
+            scalar or one value per row, which may be traced): row $b$ samples the
+            target under its own parameters, by the rule of
+            [`speculax.probs_from_logits`][], and its drafts are drawn by
+            `draft_sampling` (by default under the same parameters). Temperature 0
+            is greedy decoding, in a batch with sampled rows. `None` each, the
+            default, is the softmax of the logits as they are (temperature 1 and no
+            truncation, computed as above).
 
         **Returns:**
 
@@ -160,6 +195,13 @@ class SpeculativeLoop(eqx.Module):
         prompt length outside `[1, P]` or a value the step's checks reject.
         """
         prompt, prompt_lengths = _index_inputs(prompt, prompt_lengths)
+        parameters = row_parameters(
+            temperature,
+            top_k,
+            top_p,
+            prompt.shape[0],
+            from_logits=isinstance(self.step, LogitsStep),
+        )
         return _generate(
             self,
             as_cached_model(draft_model, "draft_model"),
@@ -167,6 +209,7 @@ class SpeculativeLoop(eqx.Module):
             prompt,
             prompt_lengths,
             row_keys(key, prompt.shape[0]),
+            parameters,
         )
 
     def start(
@@ -175,6 +218,10 @@ class SpeculativeLoop(eqx.Module):
         target_model: AbstractCachedModel | LanguageModel,
         prompt: Int[Array, "batch prompt"],
         prompt_length: Int[Array, " batch"],
+        *,
+        temperature: ArrayLike | None = None,
+        top_k: ArrayLike | None = None,
+        top_p: ArrayLike | None = None,
     ) -> LoopState:
         """The state before the first step: each model's cache filled with the
         prompts, in one call of each.
@@ -186,6 +233,8 @@ class SpeculativeLoop(eqx.Module):
             [`speculax.Cacheless`][].
         - `prompt`: int32 `(B, P)`, the prompts.
         - `prompt_length`: int32 `(B,)`, each in `[1, P]`.
+        - `temperature`, `top_k`, `top_p`: keyword only, each row's sampling
+            parameters, as for `__call__`.
 
         **Returns:**
 
@@ -205,6 +254,13 @@ class SpeculativeLoop(eqx.Module):
             _, draft_cache = read_history(draft_model, prompt, slots, "draft_model")
         else:
             draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
+        parameters = row_parameters(
+            temperature,
+            top_k,
+            top_p,
+            batch,
+            from_logits=isinstance(self.step, LogitsStep),
+        )
         return LoopState(
             buffer=buffer,
             prompt_length=prompt_length,
@@ -215,6 +271,9 @@ class SpeculativeLoop(eqx.Module):
             step=jnp.zeros((), jnp.int32),
             draft_cache=draft_cache,
             target_cache=read_history(target_model, prompt, slots, "target_model")[1],
+            temperature=parameters.temperature,
+            top_k=parameters.top_k,
+            top_p=parameters.top_p,
         )
 
     def uniforms(
@@ -284,14 +343,20 @@ class SpeculativeLoop(eqx.Module):
         """
         draft_model = as_cached_model(draft_model, "draft_model")
         target_model = as_cached_model(target_model, "target_model")
-        buffer, draft_tokens, draft_probs, draft_cache = draft_chain(
-            draft_model, state, draft_uniforms, self.num_draft
+        buffer, draft_tokens, drafted, draft_cache = draft_chain(
+            draft_model, state, draft_uniforms, self.num_draft, self.draft_sampling
         )
-        target_probs, target_cache = score_chain(
+        target_logits, target_cache = score_chain(
             target_model, buffer, state, self.num_draft
         )
-        verified = self.step(
-            draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms
+        verified = verify_chain(
+            self.step,
+            draft_tokens,
+            drafted,
+            target_logits,
+            state,
+            accept_uniforms,
+            sample_uniforms,
         )
         return append_verified(
             state,
@@ -361,6 +426,7 @@ def _generate(
     prompt: Int[Array, "batch prompt"],
     prompt_length: Int[Array, " batch"],
     row_key: Key[Array, " batch"],
+    parameters: RowParameters,
 ) -> LoopOutput:
     """The loop under `jit`: checks the prompt's lengths and tokens and the end token
     against the vocabulary, then advances every row until all are done."""
@@ -389,6 +455,14 @@ def _generate(
             draft_model, target_model, state, *loop.uniforms(row_key, state.step)
         )
 
-    start = loop.start(draft_model, target_model, prompt, prompt_length)
+    start = loop.start(
+        draft_model,
+        target_model,
+        prompt,
+        prompt_length,
+        temperature=parameters.temperature,
+        top_k=parameters.top_k,
+        top_p=parameters.top_p,
+    )
     final = jax.lax.while_loop(lambda state: ~state.done.all(), body, start)
     return loop.output(final)

@@ -1,16 +1,28 @@
 """The stages of one round of the loop, in order: draft $G$ tokens one at a time,
-score them with the target in one call, (verify them with the step,) and append what
+score them with the target in one call, verify them with the step, and append what
 the step keeps to each row's history."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._chain._step import StepOutput
+from .._chain._step import SpeculativeStep, StepOutput
+from .._logits._step import LogitsStep
 from .._pieces._sampling import InverseCDF
 from ._cache import AbstractCachedModel, Cache, read_chain
-from ._model import model_probs, probs_dtype
+from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
+
+
+class DraftRows(NamedTuple):
+    """The draft model's rows at each draft position: its `logits`, `(B, G, V)` as
+    the model returned them, and `probs`, the `(B, G, V)` rows $q_i$ the drafts were
+    drawn from, in the draft sampling's dtype."""
+
+    logits: Float[Array, "batch draft vocab"]
+    probs: Float[Array, "batch draft vocab"]
 
 
 def draft_chain(
@@ -18,12 +30,8 @@ def draft_chain(
     state: LoopState,
     draft_uniforms: Float[Array, "batch draft"],
     num_draft: int,
-) -> tuple[
-    Int[Array, "batch time"],
-    Int[Array, "batch draft"],
-    Float[Array, "batch draft vocab"],
-    Cache,
-]:
+    draft_sampling: AbstractDraftSampling,
+) -> tuple[Int[Array, "batch time"], Int[Array, "batch draft"], DraftRows, Cache]:
     """Draws each row's $G$ draft tokens one at a time, token $i$ from $q_i$ by
     inverse CDF with uniform $i$, writing each into the buffer past the row's
     history before the draft model reads it for the next.
@@ -39,38 +47,61 @@ def draft_chain(
     - `state`: the [`speculax.LoopState`][] before the round.
     - `draft_uniforms`: float `(B, G)`.
     - `num_draft`: $G$, a static integer.
+    - `draft_sampling`: the [`speculax.AbstractDraftSampling`][] that makes $q_i$
+        of the draft model's logits under the row's parameters.
 
     **Returns:**
 
-    `(buffer, draft_tokens, draft_probs, draft_cache)`: the int32 `(B, T)` buffer
-    with the drafts at positions `length` to `length + G - 1`, the int32 `(B, G)`
-    drafts, the `(B, G, V)` rows $q_i$ they were drawn from, in `probs_dtype`, and
-    the draft model's cache after reading the history and $G - 1$ drafts.
+    `(buffer, draft_tokens, rows, draft_cache)`: the int32 `(B, T)` buffer with the
+    drafts at positions `length` to `length + G - 1`, the int32 `(B, G)` drafts,
+    their `DraftRows` (the logits and the rows $q_i$ drawn from), and the draft
+    model's cache after reading the history and $G - 1$ drafts.
     """
     if num_draft == 0:
         no_drafts = jnp.zeros((state.length.shape[0], 0), jnp.int32)
-        return state.buffer, no_drafts, _no_rows(draft_model, state), state.draft_cache
+        return (
+            state.buffer,
+            no_drafts,
+            _no_rows(draft_model, state, draft_sampling),
+            state.draft_cache,
+        )
     rows = jnp.arange(state.buffer.shape[0])
     first = jnp.maximum(state.length - 2, 0)
     logits, cache = read_chain(draft_model, state.buffer, first, 2, state.draft_cache)
+    logits = logits[rows, state.length - 1 - first]
     buffer, probs = _drawn(
-        state, state.buffer, logits[rows, state.length - 1 - first], draft_uniforms, 0
+        state, state.buffer, logits, draft_uniforms, 0, draft_sampling
     )
-    draft_probs = jnp.zeros((*probs.shape[:1], num_draft, probs.shape[1]), probs.dtype)
+    drafted = jax.tree.map(
+        lambda row: jnp.zeros((row.shape[0], num_draft, *row.shape[1:]), row.dtype),
+        DraftRows(logits, probs),
+    )
 
-    def draft(i: Int[Array, ""], carry: tuple[Array, Array, Cache]) -> tuple:
-        buffer, draft_probs, cache = carry
+    def draft(i: Int[Array, ""], carry: tuple[Array, DraftRows, Cache]) -> tuple:
+        buffer, drafted, cache = carry
         logits, cache = read_chain(draft_model, buffer, state.length - 1 + i, 1, cache)
-        buffer, probs = _drawn(state, buffer, logits[:, 0], draft_uniforms, i)
-        return buffer, draft_probs.at[:, i].set(probs), cache
+        buffer, probs = _drawn(
+            state, buffer, logits[:, 0], draft_uniforms, i, draft_sampling
+        )
+        return buffer, _set_rows(drafted, i, DraftRows(logits[:, 0], probs)), cache
 
-    buffer, draft_probs, cache = jax.lax.fori_loop(
-        1, num_draft, draft, (buffer, draft_probs.at[:, 0].set(probs), cache)
+    buffer, drafted, cache = jax.lax.fori_loop(
+        1,
+        num_draft,
+        draft,
+        (buffer, _set_rows(drafted, 0, DraftRows(logits, probs)), cache),
     )
     draft_tokens = jnp.take_along_axis(
         buffer, state.length[:, None] + jnp.arange(num_draft), axis=1
     )
-    return buffer, draft_tokens, draft_probs, cache
+    return buffer, draft_tokens, drafted, cache
+
+
+def _set_rows(
+    drafted: DraftRows, i: Int[Array, ""] | int, rows: DraftRows
+) -> DraftRows:
+    """`drafted` with the rows of draft position `i` set to `rows`."""
+    return jax.tree.map(lambda all_, row: all_.at[:, i].set(row), drafted, rows)
 
 
 def _drawn(
@@ -79,24 +110,35 @@ def _drawn(
     logits: Float[Array, "batch vocab"],
     draft_uniforms: Float[Array, "batch draft"],
     i: Int[Array, ""] | int,
+    draft_sampling: AbstractDraftSampling,
 ) -> tuple[Int[Array, "batch time"], Float[Array, "batch vocab"]]:
-    """Draft token $i$ drawn from $q_i$, the softmax of `logits`, and written into
-    the buffer; with $q_i$, the same array the step is given."""
-    probs = model_probs(logits)
+    """Draft token $i$ drawn from $q_i$, the draft sampling's row of `logits`, and
+    written into the buffer; with $q_i$."""
+    probs = draft_sampling(logits, state.temperature, state.top_k, state.top_p)
     token = InverseCDF()(probs, draft_uniforms[:, i])
     rows = jnp.arange(buffer.shape[0])
     return buffer.at[rows, state.length + i].set(token), probs
 
 
 def _no_rows(
-    model: AbstractCachedModel, state: LoopState
-) -> Float[Array, "batch 0 vocab"]:
-    """The draft rows of a round without drafts: `(B, 0, V)`, in `probs_dtype`."""
-    logits = jax.eval_shape(
-        lambda: read_chain(model, state.buffer, state.length - 1, 1, state.draft_cache)
-    )[0]
-    batch = state.buffer.shape[0]
-    return jnp.zeros((batch, 0, logits.shape[-1]), probs_dtype(logits.dtype))
+    model: AbstractCachedModel,
+    state: LoopState,
+    draft_sampling: AbstractDraftSampling,
+) -> DraftRows:
+    """The draft rows of a round without drafts: `(B, 0, V)` each, in the dtypes of
+    the model's logits and of the draft sampling's rows."""
+
+    def one_row() -> DraftRows:
+        logits = read_chain(
+            model, state.buffer, state.length - 1, 1, state.draft_cache
+        )[0][:, 0]
+        probs = draft_sampling(logits, state.temperature, state.top_k, state.top_p)
+        return DraftRows(logits, probs)
+
+    return jax.tree.map(
+        lambda row: jnp.zeros((row.shape[0], 0, row.shape[1]), row.dtype),
+        jax.eval_shape(one_row),
+    )
 
 
 def score_chain(
@@ -105,8 +147,8 @@ def score_chain(
     state: LoopState,
     num_draft: int,
 ) -> tuple[Float[Array, "batch positions vocab"], Cache]:
-    """The target's rows $p_0, \\dots, p_G$ for each row's drafts, in one call: $p_i$
-    the softmax of the target's logits after the history and the first $i$ drafts.
+    """The target's logits after the history and each prefix of the drafts, in one
+    call: position $i$ after the history and the first $i$ drafts.
 
     **Arguments:**
 
@@ -118,14 +160,50 @@ def score_chain(
 
     **Returns:**
 
-    `(target_probs, target_cache)`: the `(B, G + 1, V)` rows $p_i$, in
-    `probs_dtype`, and the target's cache after reading the history's last token
-    and the drafts.
+    `(target_logits, target_cache)`: the `(B, G + 1, V)` logits, and the target's
+    cache after reading the history's last token and the drafts.
     """
-    logits, cache = read_chain(
+    return read_chain(
         target_model, buffer, state.length - 1, num_draft + 1, state.target_cache
     )
-    return model_probs(logits), cache
+
+
+def verify_chain(
+    step: SpeculativeStep | LogitsStep,
+    draft_tokens: Int[Array, "batch draft"],
+    drafted: DraftRows,
+    target_logits: Float[Array, "batch draft+1 vocab"],
+    state: LoopState,
+    accept_uniforms: Float[Array, "batch draft"],
+    sample_uniforms: Float[Array, " batch"],
+) -> StepOutput:
+    """The step on the round's drafts: a [`speculax.SpeculativeStep`][] on the rows
+    $q_i$ the drafts were drawn from and the target's rows $p_i$ under each row's
+    parameters; a [`speculax.LogitsStep`][] on both models' logits and the
+    parameters, from which it makes both itself."""
+    if isinstance(step, SpeculativeStep):
+        target_probs = row_probs(
+            target_logits, RowParameters(state.temperature, state.top_k, state.top_p)
+        )
+        return step(
+            draft_tokens, drafted.probs, target_probs, accept_uniforms, sample_uniforms
+        )
+    if state.temperature is None:
+        raise ValueError(
+            "a LogitsStep verifies under each row's sampling parameters, and the "
+            "state has none: make it with SpeculativeLoop.start, which gives every "
+            "row its parameters (temperature 1 and no truncation by default)"
+        )
+    return step(
+        draft_tokens,
+        drafted.logits,
+        target_logits,
+        accept_uniforms,
+        sample_uniforms,
+        temperature=state.temperature,
+        top_k=state.top_k,
+        top_p=state.top_p,
+    )
 
 
 def append_verified(
@@ -182,6 +260,9 @@ def append_verified(
         step=state.step + 1,
         draft_cache=caches[0],
         target_cache=caches[1],
+        temperature=state.temperature,
+        top_k=state.top_k,
+        top_p=state.top_p,
     )
 
 

@@ -3,7 +3,7 @@
 from typing import TypedDict, final
 
 import equinox as eqx
-from jaxtyping import Array, Bool, Int, PyTree, Shaped
+from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
 
 
 class LoopOutput(TypedDict):
@@ -50,6 +50,10 @@ class LoopState(eqx.Module):
         slots hold the history, all but its last token; the draft's first
         `length - 2` (the round reads the last two tokens again, the draft having
         not read the last draft it proposed).
+    - `temperature`, `top_k`, `top_p`: each row's sampling parameters, `(B,)` each,
+        which the draft is drawn under and the step verifies by; `None` each for a
+        loop given none and verifying with a [`speculax.SpeculativeStep`][] (the
+        softmax of the logits as they are).
     """
 
     buffer: Int[Array, "batch time"]
@@ -61,3 +65,6 @@ class LoopState(eqx.Module):
     step: Int[Array, ""]
     draft_cache: PyTree[Shaped[Array, "batch time ..."]]
     target_cache: PyTree[Shaped[Array, "batch time ..."]]
+    temperature: Float[Array, " batch"] | None
+    top_k: Int[Array, " batch"] | None
+    top_p: Float[Array, " batch"] | None

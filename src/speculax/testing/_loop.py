@@ -9,11 +9,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import ArrayLike
 
+from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, as_cached_model
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
+from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
 from ._chain import in_chunks
 from ._loop_caches import cache_faults, check_caches, filled_caches
@@ -23,8 +26,11 @@ from ._loop_cells import (
     Name,
     States,
     history_buffer,
-    history_probs,
+    history_logits,
+    per_row,
+    piece_name,
     step_leaves,
+    verified_pieces,
 )
 
 
@@ -33,6 +39,10 @@ def loop_output_distribution(
     draft_model: LanguageModel,
     target_model: LanguageModel,
     prompt: Sequence[int],
+    *,
+    temperature: ArrayLike | None = None,
+    top_k: ArrayLike | None = None,
+    top_p: ArrayLike | None = None,
 ) -> dict[tuple[int, ...], float]:
     """Computes exactly the distribution of the tokens `loop` generates after one
     prompt, over every value of its random numbers, by running the loop's own step.
@@ -95,6 +105,13 @@ def loop_output_distribution(
         key schedule.
     - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
     - `prompt`: one prompt, a sequence of at least one token.
+    - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
+        parameters, as the loop takes them (a Python number or a scalar each):
+        $q_i$ is then what `loop.draft_sampling` makes of the draft's logits, and
+        the step's pieces read the rows it verifies by, the models' logits under
+        these parameters. A [`speculax.LogitsStep`][] is enumerated by the pieces of
+        the rule it states, rejection sampling, and checked against them in every
+        cell.
 
     **Returns:**
 
@@ -114,6 +131,13 @@ def loop_output_distribution(
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     with jax.enable_x64(True):
+        parameters = row_parameters(
+            temperature,
+            top_k,
+            top_p,
+            1,
+            from_logits=isinstance(loop.step, LogitsStep),
+        )
         names = [_uniform_names(loop, step) for step in range(loop.max_new_tokens)]
         states: dict[tuple[tuple[int, ...], Constraints], float] = {
             ((), frozenset()): 1.0
@@ -130,10 +154,22 @@ def loop_output_distribution(
             }
             state_list = list(states.items())
             leaves = step_leaves(
-                loop, draft_model, target_model, prompt, state_list, names[step]
+                loop,
+                draft_model,
+                target_model,
+                prompt,
+                state_list,
+                names[step],
+                parameters,
             )
             generated, num_accepted, done = _outcomes(
-                loop, draft_model, target_model, prompt, state_list, leaves, step
+                loop,
+                (draft_model, target_model),
+                prompt,
+                state_list,
+                leaves,
+                step,
+                parameters,
             )
             states = defaultdict(float)
             for leaf, tokens, leaf_num_accepted, leaf_done in zip(
@@ -163,6 +199,10 @@ def target_output_distribution(
     prompt: Sequence[int],
     max_new_tokens: int,
     end_token: int | None = None,
+    *,
+    temperature: ArrayLike | None = None,
+    top_k: ArrayLike | None = None,
+    top_p: ArrayLike | None = None,
 ) -> dict[tuple[int, ...], float]:
     """Computes exactly the distribution of `max_new_tokens` tokens sampled from the
     target model one at a time after `prompt`, each from the softmax of its logits,
@@ -180,6 +220,10 @@ def target_output_distribution(
     - `prompt`: one prompt, a sequence of at least one token.
     - `max_new_tokens`: the number of tokens to sample.
     - `end_token`: the token that ends a sequence, or `None`.
+    - `temperature`, `top_k`, `top_p`: keyword only, the sampling parameters, each
+        a Python number or a scalar: each token is drawn from the target's logits
+        under them, by [`speculax.probs_from_logits`][]. `None` each, the default,
+        is the softmax of the logits.
 
     **Returns:**
 
@@ -191,11 +235,16 @@ def target_output_distribution(
     finished: dict[tuple[int, ...], float] = {}
     states = {(): 1.0}
     with jax.enable_x64(True):
+        parameters = row_parameters(temperature, top_k, top_p, 1, from_logits=False)
         for _ in range(max_new_tokens):
+            if not states:
+                break
             histories = [prompt + generated for generated in states]
             buffer, lengths = history_buffer(histories, len(prompt) + max_new_tokens)
             (probs,) = in_chunks(
-                lambda *rows: _next_token_probs(target_model, *rows), buffer, lengths
+                lambda *rows: _next_token_probs(target_model, parameters, *rows),
+                buffer,
+                lengths,
             )
             next_states: dict[tuple[int, ...], float] = {}
             for (generated, probability), row in zip(
@@ -216,6 +265,10 @@ def loop_lossless_error(
     draft_model: LanguageModel,
     target_model: LanguageModel,
     prompt: Sequence[int],
+    *,
+    temperature: ArrayLike | None = None,
+    top_k: ArrayLike | None = None,
+    top_p: ArrayLike | None = None,
 ) -> float:
     """The total variation distance between the exact distribution of what `loop`
     generates after `prompt` and that of sampling the target model one token at a
@@ -231,14 +284,19 @@ def loop_lossless_error(
     - `loop`: the loop to check.
     - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
     - `prompt`: one prompt, a sequence of at least one token.
+    - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
+        parameters, given to both.
 
     **Returns:**
 
     The distance, a Python float in $[0, 1]$.
     """
-    generated = loop_output_distribution(loop, draft_model, target_model, prompt)
+    parameters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    generated = loop_output_distribution(
+        loop, draft_model, target_model, prompt, **parameters
+    )
     target = target_output_distribution(
-        target_model, prompt, loop.max_new_tokens, loop.end_token
+        target_model, prompt, loop.max_new_tokens, loop.end_token, **parameters
     )
     return 0.5 * sum(
         abs(generated.get(tokens, 0.0) - target.get(tokens, 0.0))
@@ -248,9 +306,13 @@ def loop_lossless_error(
 
 @eqx.filter_jit
 def _next_token_probs(
-    model: AbstractCachedModel | LanguageModel, buffer: jax.Array, length: jax.Array
+    model: AbstractCachedModel | LanguageModel,
+    parameters: RowParameters,
+    buffer: jax.Array,
+    length: jax.Array,
 ) -> tuple[jax.Array]:
-    return (history_probs(model, buffer, (length - 1)[:, None])[:, 0],)
+    logits = history_logits(model, buffer, (length - 1)[:, None])[:, 0]
+    return (row_probs(logits, per_row(parameters, buffer.shape[0])),)
 
 
 def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
@@ -287,17 +349,24 @@ def _check_outcome(
     added = list(after[len(before) :])
     if num_accepted == leaf.num_accepted and added == implied:
         return
-    if num_accepted != leaf.num_accepted:
+    pieces = verified_pieces(loop.step)
+    if isinstance(loop.step, LogitsStep):
         assumed = (
-            f"each test of loop.step.acceptance ({type(loop.step.acceptance).__name__})"
-            " passes exactly when its own uniform lies below a threshold (found by "
-            "bisection)"
+            "loop.step (a LogitsStep) verifies by the rule it states: rejection "
+            "sampling on the rows speculax.probs_from_logits makes of both models' "
+            "logits under the row's parameters"
+        )
+    elif num_accepted != leaf.num_accepted:
+        assumed = (
+            f"each test of {piece_name(loop, 'acceptance')} "
+            f"({type(pieces.acceptance).__name__}) passes exactly when its own "
+            "uniform lies below a threshold (found by bisection)"
         )
     else:
         assumed = (
-            f"loop.step.sampler ({type(loop.step.sampler).__name__}) draws each token "
-            "on one interval of its uniform s (found by scanning it), as inverse-CDF "
-            "sampling over the vocabulary in any order does"
+            f"{piece_name(loop, 'sampler')} ({type(pieces.sampler).__name__}) draws "
+            "each token on one interval of its uniform s (found by scanning it), as "
+            "inverse-CDF sampling over the vocabulary in any order does"
         )
     raise ValueError(
         f"the exact enumeration assumes that {assumed}, and this one does not: at "
@@ -310,16 +379,16 @@ def _check_outcome(
 
 def _outcomes(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    models: tuple[LanguageModel, LanguageModel],
     prompt: tuple[int, ...],
     states: States,
     leaves: list[Leaf],
     step: int,
+    parameters: RowParameters,
 ) -> tuple[list[tuple[int, ...]], list[int], list[bool]]:
-    """Runs the loop's own step on every leaf, at the leaf's uniforms, and reads the
-    tokens generated so far, the drafts the step kept and whether the row has
-    finished."""
+    """Runs the loop's own step on every leaf, at the leaf's uniforms and under the
+    prompt's sampling parameters, and reads the tokens generated so far, the drafts
+    the step kept and whether the row has finished."""
     if not leaves:
         return [], [], []
     batch, num_draft = len(leaves), loop.num_draft
@@ -330,8 +399,8 @@ def _outcomes(
     buffer, length, num_accepted, done, faults = in_chunks(
         lambda *rows: _advance(
             loop,
-            draft_model,
-            target_model,
+            *models,
+            parameters,
             jnp.int32(len(prompt)),
             jnp.int32(step),
             *rows,
@@ -355,6 +424,7 @@ def _advance(
     loop: SpeculativeLoop,
     draft_model: AbstractCachedModel | LanguageModel,
     target_model: AbstractCachedModel | LanguageModel,
+    parameters: RowParameters,
     prompt_length: jax.Array,
     step: jax.Array,
     buffer: jax.Array,
@@ -364,14 +434,15 @@ def _advance(
     sample_uniforms: jax.Array,
 ) -> tuple[jax.Array, ...]:
     """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
-    step `step`, each model's cache filled with the history in one call: the new
-    buffer, lengths, drafts kept and finished flags, and the faults of each row's
-    caches (see `cache_faults`)."""
+    step `step`, under the prompt's sampling `parameters`, each model's cache filled
+    with the history in one call: the new buffer, lengths, drafts kept and finished
+    flags, and the faults of each row's caches (see `cache_faults`)."""
     models = (
         as_cached_model(draft_model, "draft_model"),
         as_cached_model(target_model, "target_model"),
     )
     batch = buffer.shape[0]
+    parameters = per_row(parameters, batch)
 
     def advanced(caches: tuple) -> LoopState:
         state = LoopState(
@@ -384,6 +455,9 @@ def _advance(
             step=jnp.int32(step),
             draft_cache=caches[0],
             target_cache=caches[1],
+            temperature=parameters.temperature,
+            top_k=parameters.top_k,
+            top_p=parameters.top_p,
         )
         uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
         return loop.advance(*models, state, *uniforms)

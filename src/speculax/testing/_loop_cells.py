@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._chain._step import SpeculativeStep
+from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, as_cached_model, read_history
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
-from .._loop._model import LanguageModel, model_probs
+from .._loop._model import LanguageModel
+from .._loop._sampling import RowParameters, row_probs
 from ._chain import (
     SamplerCells,
     acceptance_thresholds,
@@ -92,6 +94,7 @@ def step_leaves(
     prompt: tuple[int, ...],
     states: States,
     names: dict[int, list[Name]],
+    parameters: RowParameters,
 ) -> list[Leaf]:
     """Every cell of one step's random numbers, from each state, with positive
     probability: each draft sequence narrows the `DRAFT` numbers, each pattern of
@@ -105,12 +108,13 @@ def step_leaves(
     - `prompt`: the prompt.
     - `states`: the states the step starts from.
     - `names`: the names of the step's random numbers, per stream.
+    - `parameters`: the prompt's sampling parameters, `(1,)` each, or `None` each.
 
     **Returns:**
 
     The cells, as `Leaf`s.
     """
-    pieces = _step_pieces(loop, draft_model, target_model, prompt, states)
+    pieces = _step_pieces(loop, draft_model, target_model, prompt, states, parameters)
     patterns = list(itertools.product([True, False], repeat=loop.num_draft))
     leaves = []
     for row, (state, sequence) in enumerate(pieces.rows):
@@ -123,7 +127,8 @@ def step_leaves(
             continue
         if not pieces.monotone[row].all():
             raise ValueError(
-                "loop.step.acceptance is not monotone in the uniform: a position "
+                f"{piece_name(loop, 'acceptance')} is not monotone in the uniform: "
+                "a position "
                 "passes at some u above the threshold found by bisection or fails at "
                 "some u below it"
             )
@@ -144,6 +149,7 @@ def _step_pieces(
     target_model: LanguageModel,
     prompt: tuple[int, ...],
     states: States,
+    parameters: RowParameters,
 ) -> _StepPieces:
     """The step's pieces on every state followed by every draft sequence, run in
     chunks under `jit`, and the sampler's cells of their residual weights."""
@@ -162,7 +168,9 @@ def _step_pieces(
         histories, len(prompt) + loop.max_new_tokens + num_draft + 1
     )
     draft_probs, thresholds, monotone, weights = in_chunks(
-        lambda *rows: _run_step_pieces(loop, draft_model, target_model, *rows),
+        lambda *rows: _run_step_pieces(
+            loop, draft_model, target_model, parameters, *rows
+        ),
         buffer,
         lengths,
         sequences[[sequence for _, sequence in rows]],
@@ -176,8 +184,10 @@ def _step_pieces(
         monotone=monotone,
         weights=weights,
         # The cells of s for every row and stopping position, from the sampler.
-        cells=sampler_cells(loop.step.sampler, weights.reshape(-1, weights.shape[-1])),
-        counts=np.asarray(_prefix_counts(loop.step, num_draft)),
+        cells=sampler_cells(
+            verified_pieces(loop.step).sampler, weights.reshape(-1, weights.shape[-1])
+        ),
+        counts=np.asarray(_prefix_counts(verified_pieces(loop.step), num_draft)),
     )
 
 
@@ -188,7 +198,7 @@ def _draft_sequences(
     of `num_states` states are not too many to enumerate."""
     num_draft = loop.num_draft
     vocab = jax.eval_shape(
-        lambda tokens: history_probs(target_model, tokens, tokens),
+        lambda tokens: history_logits(target_model, tokens, tokens),
         jax.ShapeDtypeStruct((1, 1), jnp.int32),
     ).shape[-1]
     sequences = np.array(
@@ -250,14 +260,14 @@ def _sample_uses(
     residual = pieces.weights[row, count]
     if not (np.all(np.isfinite(residual) & (residual >= 0)) and residual.sum()):
         raise ValueError(
-            "loop.step.residual returned weights that are negative, not "
+            f"{piece_name(loop, 'residual')} returned weights that are negative, not "
             "finite or without positive mass, in a state reached with "
             "positive probability"
         )
-    sampler, cells = loop.step.sampler, pieces.cells
+    sampler, cells = verified_pieces(loop.step).sampler, pieces.cells
     cell = row * (loop.num_draft + 1) + count
     if not cells.valid[cell]:
-        raise refuse_sampler("loop.step.sampler", sampler, cells, cell)
+        raise refuse_sampler(piece_name(loop, "sampler"), sampler, cells, cell)
     # A sampler that reads no uniform (Argmax) leaves s unconstrained.
     return [
         (
@@ -346,18 +356,26 @@ def _run_step_pieces(
     loop: SpeculativeLoop,
     draft_model: LanguageModel,
     target_model: LanguageModel,
+    parameters: RowParameters,
     buffer: jax.Array,
     length: jax.Array,
     draft_tokens: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """For histories whose last $G$ tokens are the drafts, the draft probabilities,
-    and the pieces of `loop.step` on them: the acceptance thresholds, whether they
-    are consistent, and the residual weights at every stopping position."""
-    step = loop.step
+    """For histories whose last $G$ tokens are the drafts, the rows the drafts are
+    drawn from (by `loop.draft_sampling`), and the step's pieces on the rows it
+    verifies by: the acceptance thresholds, whether they are consistent, and the
+    residual weights at every stopping position."""
+    step = verified_pieces(loop.step)
     rows, num_draft = draft_tokens.shape
+    parameters = per_row(parameters, rows)
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    draft_probs = history_probs(draft_model, buffer, positions[:, :-1])
-    target_probs = history_probs(target_model, buffer, positions)
+    draft_logits = history_logits(draft_model, buffer, positions[:, :-1])
+    drawn = _drawn_rows(loop, draft_logits, parameters)
+    draft_probs = drawn
+    if isinstance(loop.step, LogitsStep):
+        draft_probs = row_probs(draft_logits, parameters)
+    target_logits = history_logits(target_model, buffer, positions)
+    target_probs = row_probs(target_logits, parameters)
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
             step.acceptance, draft_tokens, draft_probs, target_probs
@@ -366,20 +384,56 @@ def _run_step_pieces(
         thresholds = jnp.zeros((rows, 0), jnp.float64)
         monotone = jnp.ones((rows, 0), jnp.bool_)
     weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
-    return draft_probs, thresholds, monotone, weights
+    return drawn, thresholds, monotone, weights
 
 
-def history_probs(
+def _drawn_rows(
+    loop: SpeculativeLoop, logits: jax.Array, parameters: RowParameters
+) -> jax.Array:
+    """`loop.draft_sampling`'s rows of the `(B, G, V)` draft logits, position by
+    position under each row's parameters."""
+    rows, num_draft, vocab = logits.shape
+    flat = RowParameters(
+        *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
+    )
+    drawn = loop.draft_sampling(logits.reshape(rows * num_draft, vocab), *flat)
+    return drawn.reshape(rows, num_draft, vocab)
+
+
+def per_row(parameters: RowParameters, batch: int) -> RowParameters:
+    """The `(1,)` sampling parameters of the enumeration's prompt, one per row of a
+    batch of its states."""
+    return RowParameters(
+        *(None if x is None else jnp.broadcast_to(x, (batch,)) for x in parameters)
+    )
+
+
+def verified_pieces(step: SpeculativeStep | LogitsStep) -> SpeculativeStep:
+    """The pieces whose cells the enumeration finds: the step's own, or for a
+    [`speculax.LogitsStep`][] those of rejection sampling, the rule it states for
+    sampled rows, which on the one-hot rows of a greedy row is greedy
+    verification. Every cell then checks what the LogitsStep did against them."""
+    return step if isinstance(step, SpeculativeStep) else SpeculativeStep()
+
+
+def piece_name(loop: SpeculativeLoop, piece: str) -> str:
+    """How an error names one of the pieces the enumeration evaluates."""
+    if isinstance(loop.step, SpeculativeStep):
+        return f"loop.step.{piece}"
+    return f"the {piece} of the rule loop.step (a LogitsStep) states"
+
+
+def history_logits(
     model: AbstractCachedModel | LanguageModel,
     buffer: jax.Array,
     positions: jax.Array,
 ) -> jax.Array:
-    """The model's probabilities after the tokens of `buffer` up to each of
-    `positions`, `(B, K, V)`, from one call that reads the whole buffer into an
-    empty cache: the history as it is, whatever a loop's cache holds."""
+    """The model's logits after the tokens of `buffer` up to each of `positions`,
+    `(B, K, V)`, from one call that reads the whole buffer into an empty cache: the
+    history as it is, whatever a loop's cache holds."""
     model = as_cached_model(model, "model")
     logits, _ = read_history(model, buffer, buffer.shape[1], "model")
-    return model_probs(jnp.take_along_axis(logits, positions[..., None], axis=1))
+    return jnp.take_along_axis(logits, positions[..., None], axis=1)
 
 
 def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:
