@@ -136,7 +136,8 @@ def test_a_faulty_cache_changes_the_tokens():
 @pytest.mark.parametrize(
     ("num_draft", "end_token", "step"),
     [
-        (2, None, speculax.SpeculativeStep()),
+        # The enumeration's cache checks run in the default tier below.
+        pytest.param(2, None, speculax.SpeculativeStep(), marks=pytest.mark.slow),
         pytest.param(1, 2, speculax.block_step(), marks=pytest.mark.slow),
         pytest.param(0, None, speculax.SpeculativeStep(), marks=pytest.mark.slow),
     ],
@@ -175,10 +176,11 @@ def test_cached_loop_is_lossless_exactly(num_draft, end_token, step):
             "draft_model gives other logits",
             marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             "overwrites the history",
             "target",
             "target_model's cache after a step differs",
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             "overwrites the history",

@@ -117,7 +117,7 @@ class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
         pytest.param(3, 1, 3, 4, 1, speculax.SpeculativeStep(), marks=SLOW),
         pytest.param(5, 1, 1, 4, None, speculax.SpeculativeStep(), marks=SLOW),
         (3, 2, 0, 4, None, speculax.SpeculativeStep()),
-        (3, 1, 2, 5, 0, speculax.block_step()),
+        pytest.param(3, 1, 2, 5, 0, speculax.block_step(), marks=SLOW),
     ],
     ids=[
         "V3 C2 G2",

@@ -16,7 +16,7 @@ from scipy import stats
 import speculax
 import speculax.testing
 from test_cache import cached
-from test_loop import markov_pair, pooled
+from test_loop import close_pair, markov_pair, pooled
 
 
 STEPS = {
@@ -44,10 +44,10 @@ def sampling_loop(step_name: str, num_draft: int = 2) -> speculax.SpeculativeLoo
     )
 
 
-@pytest.mark.parametrize(
-    "step_name",
-    ["LogitsStep", pytest.param("SpeculativeStep", marks=pytest.mark.slow)],
-)
+# The exact tests compile the enumeration's programs anew for the sampling
+# parameters: the extended tier. The default tier samples the jitted loop below.
+@pytest.mark.slow
+@pytest.mark.parametrize("step_name", list(STEPS))
 def test_loop_with_sampling_parameters_is_lossless_exactly(step_name):
     # Every kind of request in one test, so that one compilation serves them all:
     # the parameters are traced.
@@ -68,6 +68,19 @@ def test_loop_with_sampling_parameters_is_lossless_exactly(step_name):
             loop, draft, target, [1, 0], **request
         )
         assert error < 1e-12, name
+
+
+@pytest.mark.slow
+def test_loop_with_sampling_parameters_is_lossless_exactly_for_bfloat16_logits():
+    # Under x64 every row is made in float64 from the half-precision logits, with
+    # parameters as without: the target's law is that of their values.
+    draft, target = close_pair(jnp.bfloat16)
+    for name, request in REQUESTS.items():
+        for step_name in STEPS:
+            error = speculax.testing.loop_lossless_error(
+                sampling_loop(step_name), draft, target, [1, 0], **request
+            )
+            assert error < 1e-12, (name, step_name)
 
 
 @pytest.mark.slow
@@ -144,10 +157,11 @@ SLOW_FOR_SPECULATIVE_STEP = pytest.mark.parametrize(
 
 
 @functools.cache
-def mixed_output(step_name: str, shift: int) -> dict[str, np.ndarray]:
-    """The jitted loop on NUM_ROWS rows, the four kinds of request in turn, with
-    every input rolled by `shift` rows: each row's prompt, key and parameters then
-    meet other batch mates at another index."""
+def mixed_output(step_name: str, shuffled: bool) -> dict[str, np.ndarray]:
+    """The jitted loop on NUM_ROWS rows, the four kinds of request in turn; if
+    `shuffled`, with the rows in a random order (and the outputs put back in the
+    first): each row's prompt, key and parameters then meet other batch mates at
+    another index."""
     draft, target = models()
     loop = sampling_loop(step_name, num_draft=3)
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 4, size=(NUM_ROWS, 2)))
@@ -159,10 +173,12 @@ def mixed_output(step_name: str, shift: int) -> dict[str, np.ndarray]:
         "key": jax.random.split(jax.random.key(7), NUM_ROWS),
         **mixed_batch(NUM_ROWS),
     }
-    inputs = {name: jnp.roll(value, shift, axis=0) for name, value in inputs.items()}
-    out = loop(draft, target, inputs.pop("prompt"), **inputs)
+    order = np.arange(NUM_ROWS)
+    if shuffled:
+        order = np.random.default_rng(1).permutation(NUM_ROWS)
+    out = loop(draft, target, **{name: value[order] for name, value in inputs.items()})
     return {
-        name: np.roll(np.asarray(value), -shift, axis=0)
+        name: np.asarray(value)[np.argsort(order)]
         for name, value in out.items()
         if name != "num_target_calls"
     }
@@ -174,7 +190,7 @@ def test_jitted_loop_samples_each_row_under_its_parameters(step_name):
     # sequences after the prompt [1, 0] against the target's law under its
     # parameters.
     _, target = models()
-    out = mixed_output(step_name, 0)
+    out = mixed_output(step_name, False)
     for kind, (name, request) in enumerate(REQUESTS.items()):
         exact = speculax.testing.target_output_distribution(
             target, [1, 0], 4, 3, **request
@@ -201,9 +217,9 @@ def test_jitted_loop_samples_each_row_under_its_parameters(step_name):
 @SLOW_FOR_SPECULATIVE_STEP
 def test_row_is_batch_invariant_bit_for_bit_under_its_parameters(step_name):
     # The same rows among other batch mates, at other indices: the same tokens.
-    batched, rolled = mixed_output(step_name, 0), mixed_output(step_name, 5)
+    batched, shuffled = mixed_output(step_name, False), mixed_output(step_name, True)
     for name in batched:
-        np.testing.assert_array_equal(rolled[name], batched[name], err_msg=name)
+        np.testing.assert_array_equal(shuffled[name], batched[name], err_msg=name)
 
 
 @pytest.mark.slow

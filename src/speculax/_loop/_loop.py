@@ -36,7 +36,8 @@ class SpeculativeLoop(eqx.Module):
     Under `jit` throughout, as one `lax.while_loop` with fixed shapes: rows finish
     at different steps, and a finished row keeps its tokens while the others go on.
     Draft token $i$ is drawn from $q_i = \\mathrm{softmax}$ of the draft model's
-    logits by inverse CDF, and $p_i$ is the softmax of the target's; with a
+    logits by inverse CDF (by default: `draft_sampling` decides), and $p_i$ is the
+    softmax of the target's; with a
     lossless step (the default rejection sampling, block verification) the tokens
     are distributed exactly as if sampled from the target one at a time. With
     sampling parameters per row (temperature, top-$k$, top-$p$, given to the call),
@@ -51,11 +52,11 @@ class SpeculativeLoop(eqx.Module):
     the whole history at every call, is wrapped in [`speculax.Cacheless`][]; for the
     same keys the tokens are the same either way.
 
-    Without sampling parameters, both softmaxes are computed in JAX's default
-    float dtype (float32, float64 under x64), or in the logits' dtype if it is
-    wider: never in half precision. With them, in float32, or float64 for float64
-    logits under x64, as [`speculax.probs_from_logits`][] computes. The rows $q_i$
-    the draft is drawn from are the rows the step reads. For a model with float16
+    The rows are computed in JAX's default float dtype (float32, float64 under
+    x64), or in the logits' dtype if it is wider: never in half precision. The rows
+    $q_i$ the draft is drawn from are the rows a [`speculax.SpeculativeStep`][]
+    reads; a [`speculax.LogitsStep`][] is given the draft's logits in that same
+    dtype, and makes the same rows from them. For a model with float16
     or bfloat16 logits, the target's distribution is the softmax of those
     half-precision numbers, and the loop samples it exactly, up to the rounding of
     float32 arithmetic.

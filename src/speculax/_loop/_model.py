@@ -34,8 +34,15 @@ def probs_dtype(logits_dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(logits_dtype, jnp.result_type(float))
 
 
+def widened(logits: Float[Array, "*rows vocab"]) -> Float[Array, "*rows vocab"]:
+    """A model's logits in `probs_dtype`, the dtype every rule of the loop reads them
+    in: so that under x64 the enumeration sees float64 arithmetic whatever the
+    models return, and both models' rows are made in one precision."""
+    return logits.astype(probs_dtype(logits.dtype))
+
+
 def model_probs(logits: Float[Array, "*rows vocab"]) -> Float[Array, "*rows vocab"]:
     """The softmax of a model's logits along the last axis, computed in
     `probs_dtype`: $q_i$ for the draft model, $p_i$ for the target, the one rule
     shared by the loop and its exact enumeration."""
-    return jax.nn.softmax(logits.astype(probs_dtype(logits.dtype)), axis=-1)
+    return jax.nn.softmax(widened(logits), axis=-1)

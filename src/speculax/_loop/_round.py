@@ -12,6 +12,7 @@ from .._chain._step import SpeculativeStep, StepOutput
 from .._logits._step import LogitsStep
 from .._pieces._sampling import InverseCDF
 from ._cache import AbstractCachedModel, Cache, read_chain
+from ._model import widened
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
 
@@ -194,10 +195,12 @@ def verify_chain(
             "state has none: make it with SpeculativeLoop.start, which gives every "
             "row its parameters (temperature 1 and no truncation by default)"
         )
+    # Both in `probs_dtype`, as the drafter read the draft's: the step then makes
+    # the very rows the drafts were drawn from, in one precision for both models.
     return step(
         draft_tokens,
-        drafted.logits,
-        target_logits,
+        widened(drafted.logits),
+        widened(target_logits),
         accept_uniforms,
         sample_uniforms,
         temperature=state.temperature,

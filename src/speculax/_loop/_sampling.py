@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._logits._parameters import sampling_parameters
 from .._logits._probs import probs_from_logits
-from ._model import model_probs
+from ._model import model_probs, widened
 
 
 class RowParameters(NamedTuple):
@@ -54,12 +54,12 @@ def row_probs(
 ) -> Float[Array, "batch *positions vocab"]:
     """The distributions row $b$'s logits define under its parameters:
     [`speculax.probs_from_logits`][], the rule [`speculax.LogitsStep`][] verifies
-    by; without parameters, the softmax of the logits as they are, in `probs_dtype`.
-    """
+    by; without parameters, the softmax of the logits as they are. Computed in
+    `probs_dtype` either way."""
     if parameters.temperature is None:
         return model_probs(logits)
     return probs_from_logits(
-        logits,
+        widened(logits),
         temperature=parameters.temperature,
         top_k=parameters.top_k,
         top_p=parameters.top_p,
@@ -71,10 +71,11 @@ class AbstractDraftSampling(eqx.Module):
     the draft model's logits and the row's sampling parameters.
 
     The verification must read the rows the drafts were really drawn from. A
-    [`speculax.SpeculativeStep`][] in the loop is given these rows, so any draft
-    sampling is lossless with it (a draft at a higher temperature, say). A
-    [`speculax.LogitsStep`][] makes the draft's rows itself, from its logits under
-    the row's parameters: only [`speculax.SameAsTarget`][] is lossless with it.
+    [`speculax.SpeculativeStep`][] in the loop is given these rows, so with a
+    lossless step any draft sampling whose rows sum to 1, in float32 or wider, is
+    lossless (a draft at a higher temperature, say). A [`speculax.LogitsStep`][]
+    makes the draft's rows itself, from its logits under the row's parameters: only
+    [`speculax.SameAsTarget`][] is lossless with it.
 
     Subclass it to try an engine's drafter, and check it with
     [`speculax.testing.loop_output_distribution`][].
@@ -97,8 +98,8 @@ class AbstractDraftSampling(eqx.Module):
 
         **Returns:**
 
-        `(B, V)` probabilities, each row summing to 1, in the dtype the step is to
-        read them in.
+        `(B, V)` probabilities, each row summing to 1, float32 or wider (the loop
+        computes its own rows in `probs_dtype`: float32, or float64 under x64).
         """
 
 

@@ -55,8 +55,9 @@ def loop_output_distribution(
     it is known to lie in:
 
     - draft token $i$ is $x$ exactly when its `DRAFT` number falls in $x$'s cell of
-        the cumulative distribution of $q_i$ (the softmax of the draft model's
-        logits after the history and $x_{<i}$);
+        the cumulative distribution of $q_i$ (what `loop.draft_sampling` makes of
+        the draft model's logits after the history and $x_{<i}$: by default their
+        softmax, under the sampling parameters if any);
     - test $i$ passes exactly when its `ACCEPT` number lies below the threshold
         found by bisection on `loop.step.acceptance` (as
         [`speculax.testing.output_distribution`][] does);
@@ -110,8 +111,10 @@ def loop_output_distribution(
         $q_i$ is then what `loop.draft_sampling` makes of the draft's logits, and
         the step's pieces read the rows it verifies by, the models' logits under
         these parameters. A [`speculax.LogitsStep`][] is enumerated by the pieces of
-        the rule it states, rejection sampling, and checked against them in every
-        cell.
+        the rule it states, rejection sampling on those rows, and checked against
+        them at the middle of every cell: its own arithmetic is that of
+        [`speculax.probs_from_logits`][] on the same logits, but a step that moved
+        a threshold by less than half a cell would not be seen.
 
     **Returns:**
 
