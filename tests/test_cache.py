@@ -250,15 +250,24 @@ def test_loop_refuses_a_model_that_is_not_one():
         )
 
 
-def test_cacheless_refuses_a_tree():
-    model = speculax.Cacheless(MARKOV)
-    tokens, start = jnp.zeros((1, 3), jnp.int32), jnp.zeros(1, jnp.int32)
-    cache = model.init_cache(1, 4)
+def test_cacheless_scores_chains_and_trees_and_refuses_other_reads():
+    model = speculax.Cacheless(MarkovModel(np.log(np.arange(1, 10).reshape(3, 3)), 1))
+    tokens, start = jnp.array([[1, 2, 0]]), jnp.ones(1, jnp.int32)
+    cache = model.init_cache(1, 5).at[0, 0].set(2)
     chain = jnp.tril(jnp.ones((1, 3, 3), jnp.bool_))
-    logits, written = model(tokens + 1, jnp.arange(3)[None], chain, cache, start)
-    assert logits.shape == (1, 3, 3)
-    assert written.tolist() == [[1, 1, 1, 0]]
-    # A root with two children, both at position 1.
+    logits, written = model(tokens, 1 + jnp.arange(3)[None], chain, cache, start)
+    assert written.tolist() == [[2, 1, 2, 0, 0]]
+    # A token followed by two children, each at position 2, seeing the first.
     tree = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], jnp.bool_)
-    with pytest.raises(Exception, match="Cacheless scores chains only"):
-        model(tokens, jnp.array([[0, 1, 1]]), tree, cache, start)
+    tree_logits, written = model(tokens, jnp.array([[1, 2, 2]]), tree, cache, start)
+    assert written.tolist() == [[2, 1, 2, 0, 0]]
+    # Each read as its own path: the history, then the tokens it sees.
+    table = np.asarray(jnp.asarray(model.model.logits))
+    np.testing.assert_array_equal(tree_logits[0], table[[1, 2, 0]])
+    np.testing.assert_array_equal(logits[0], table[[1, 2, 0]])
+    # The third token at the position of a chain's: it sees two tokens, not three.
+    with pytest.raises(Exception, match="Cacheless scores chains and trees only"):
+        model(tokens, jnp.array([[1, 2, 3]]), tree, cache, start)
+    # The first token seeing a later one.
+    with pytest.raises(Exception, match="Cacheless scores chains and trees only"):
+        model(tokens, jnp.array([[1, 2, 2]]), tree.at[0, 0, 2].set(True), cache, start)

@@ -34,6 +34,7 @@ from ._loop._cache import (
     AbstractCachedModel as AbstractCachedModel,
     Cacheless as Cacheless,
 )
+from ._loop._draft_tree import DraftTree as DraftTree
 from ._loop._keys import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,

@@ -93,9 +93,14 @@ class Cacheless(AbstractCachedModel):
     cache is the int32 `(B, T)` buffer of tokens read so far, and each call writes
     the new tokens into it and scores them from the whole buffer.
 
-    It scores chains only: new tokens at the positions of the slots they are written
-    in, each seeing those before it (what the loop's chain drafts give it). Any other
-    mask or positions raise an Equinox runtime error.
+    A chain (new tokens at the positions of the slots they are written in, each
+    seeing those before it) is scored in one call of the model. A tree read whole,
+    each new token seeing its ancestors among the new tokens (a
+    [`speculax.DraftTree`][] in the loop), is scored in one call per new token, on
+    the buffer of the history followed by the tokens it sees, in order: token $k$
+    must sit at position `cache_length + (number of tokens it sees) - 1`, and each
+    token it sees must see exactly those of them before it. Any other mask or
+    positions raise an Equinox runtime error.
 
     **Arguments:**
 
@@ -116,15 +121,74 @@ class Cacheless(AbstractCachedModel):
         cache: PyTree[Shaped[Array, "batch slots ..."]],
         cache_length: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
-        slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
+        batch, width = tokens.shape
+        slots = cache_length[:, None] + jnp.arange(width)
+        buffer = cache.at[jnp.arange(batch)[:, None], slots].set(tokens)
+        is_chain = (positions == slots).all() & (
+            mask == jnp.tril(jnp.ones_like(mask))
+        ).all()
         positions = eqx.error_if(
             positions,
-            (positions != slots).any() | (mask != jnp.tril(jnp.ones_like(mask))).any(),
-            "speculax.Cacheless scores chains only: each new token at the position "
-            "of its slot (cache_length + k), seeing the tokens before it",
+            ~is_chain & ~_reads_paths(positions, mask, cache_length),
+            "speculax.Cacheless scores chains and trees only: each new token at "
+            "position cache_length + (the number of new tokens it sees) - 1, and "
+            "seeing, of the new tokens before it, those that the ones it sees see",
         )
-        buffer = cache.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens)
-        return self.model(buffer, positions), buffer
+        logits = jax.lax.cond(
+            is_chain,
+            lambda: self.model(buffer, positions),
+            lambda: self.model(
+                path_buffers(cache, tokens, mask, cache_length),
+                positions.reshape(-1, 1),
+            ).reshape(batch, width, -1),
+        )
+        return logits, buffer
+
+
+def _reads_paths(
+    positions: Int[Array, "batch new"],
+    mask: Bool[Array, "batch new new"],
+    cache_length: Int[Array, " batch"],
+) -> Bool[Array, ""]:
+    """Whether every new token reads one path after the history: it sees itself and
+    no later token, sits at the position its path ends at, and each token it sees
+    sees exactly the tokens of its path before that one."""
+    width = positions.shape[1]
+    earlier = jnp.tril(jnp.ones((width, width), jnp.bool_))
+    own = jnp.diagonal(mask, axis1=1, axis2=2).all() & ~(mask & ~earlier).any()
+    at_end = positions == cache_length[:, None] + mask.sum(axis=-1) - 1
+    # [b, k, j, i]: token j, seen by k, sees i exactly when k sees i and i <= j.
+    prefix = mask[:, :, None, :] & earlier[None, None]
+    closed = ~mask[:, :, :, None] | (mask[:, None, :, :] == prefix)
+    return own & at_end.all() & closed.all()
+
+
+def path_buffers(
+    history: Int[Array, "batch slots"],
+    tokens: Int[Array, "batch new"],
+    mask: Bool[Array, "batch new new"],
+    cache_length: Int[Array, " batch"],
+) -> Int[Array, "rows slots"]:
+    """What each new token of a call reads, as a row of tokens of its own: the
+    history (the first `cache_length` entries of its row of `history`), then the new
+    tokens it sees, in order; past them, what `history` holds.
+
+    **Returns:**
+
+    Int32 `(B * K, T)`, row `b * K + k` for new token $k$ of row $b$, which sits at
+    position `cache_length[b]` + (the number of new tokens it sees) - 1.
+    """
+
+    def one_path(row: Array, seen: Array, row_tokens: Array, start: Array) -> Array:
+        at = jnp.where(seen, start + jnp.cumsum(seen) - 1, row.shape[0])
+        return row.at[at].set(row_tokens, mode="drop")
+
+    paths = jax.vmap(
+        lambda row, seen, row_tokens, start: jax.vmap(
+            lambda k_seen: one_path(row, k_seen, row_tokens, start)
+        )(seen)
+    )(history, mask, tokens, cache_length)
+    return paths.reshape(-1, history.shape[1])
 
 
 def as_cached_model(model: Any, name: str) -> AbstractCachedModel:

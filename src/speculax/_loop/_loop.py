@@ -13,10 +13,12 @@ from .._core._numerics import as_index, index_array
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
 from .._logits._step import LogitsStep
+from .._tree._abstract import AbstractTreeStep
 from ._cache import AbstractCachedModel, as_cached_model, empty_cache, read_history
+from ._chain_round import chain_round
+from ._draft_tree import DraftTree
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
-from ._round import append_verified, draft_chain, score_chain, verify_chain
 from ._sampling import (
     AbstractDraftSampling,
     RowParameters,
@@ -24,6 +26,7 @@ from ._sampling import (
     row_parameters,
 )
 from ._state import LoopOutput, LoopState
+from ._tree_round import tree_round
 
 
 @final
@@ -109,9 +112,10 @@ class SpeculativeLoop(eqx.Module):
     ```
     """
 
-    num_draft: int = eqx.field(static=True, kw_only=True)
     max_new_tokens: int = eqx.field(static=True, kw_only=True)
-    step: SpeculativeStep | LogitsStep = eqx.field(
+    num_draft: int | None = eqx.field(static=True, default=None, kw_only=True)
+    draft_tree: DraftTree | None = eqx.field(default=None, kw_only=True)
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep = eqx.field(
         default=SpeculativeStep(), kw_only=True
     )
     end_token: int | None = eqx.field(static=True, default=None, kw_only=True)
@@ -121,30 +125,27 @@ class SpeculativeLoop(eqx.Module):
     )
 
     def __check_init__(self):
-        # Runtime type checking (jaxtyping with beartype) would catch this, but it
-        # is opt-in; without it a tree step would fail deep inside the first call.
-        if not isinstance(self.step, SpeculativeStep | LogitsStep):
-            raise TypeError(
-                "step must be a speculax.SpeculativeStep (the default, "
-                "greedy_step(), block_step() or any composition of pieces) or a "
-                f"speculax.LogitsStep; got a {type(self.step).__name__}. The loop "
-                "drafts chains: a tree step needs a tree drafter"
-            )
-        if isinstance(self.step, LogitsStep) and self.step.axis_name is not None:
+        if (self.num_draft is None) == (self.draft_tree is None):
             raise ValueError(
-                "step.axis_name must be None: the loop calls its step on whole rows "
-                "of logits, not inside shard_map"
+                "give the loop exactly one of num_draft (a chain of G drafts) and "
+                "draft_tree (a speculax.DraftTree)"
             )
-        check_static_int("num_draft", self.num_draft, minimum=0)
+        _check_step(self.step, self.draft_tree)
+        if self.num_draft is not None:
+            check_static_int("num_draft", self.num_draft, minimum=0)
         check_static_int("max_new_tokens", self.max_new_tokens, minimum=1)
         if self.end_token is not None:
             check_static_int("end_token", self.end_token, minimum=0)
-        if not (self.step.check_values and self.step.throw):
-            raise ValueError(
-                "the loop needs a step that checks values and raises "
-                "(check_values=True, throw=True): a row it could not verify would "
-                "have no token to append"
-            )
+
+    @property
+    def num_nodes(self) -> int:
+        """The draft tokens of a round: $G$ for a chain, $N$ for a tree, and the
+        number of uniforms a round reads from each of the `DRAFT` and `ACCEPT`
+        streams."""
+        if self.draft_tree is not None:
+            return self.draft_tree.num_nodes
+        assert self.num_draft is not None
+        return self.num_draft
 
     def __call__(
         self,
@@ -247,11 +248,11 @@ class SpeculativeLoop(eqx.Module):
         target_model = as_cached_model(target_model, "target_model")
         batch = prompt.shape[0]
         padding = jnp.zeros(
-            (batch, self.max_new_tokens + self.num_draft + 1), jnp.int32
+            (batch, self.max_new_tokens + self.num_nodes + 1), jnp.int32
         )
         buffer = jnp.concatenate([prompt, padding], axis=1)
         slots = buffer.shape[1]
-        if self.num_draft:
+        if self.num_nodes:
             _, draft_cache = read_history(draft_model, prompt, slots, "draft_model")
         else:
             draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
@@ -305,8 +306,8 @@ class SpeculativeLoop(eqx.Module):
                 )(jnp.arange(count))
 
             return (
-                stream(DRAFT, self.num_draft),
-                stream(ACCEPT, self.num_draft),
+                stream(DRAFT, self.num_nodes),
+                stream(ACCEPT, self.num_nodes),
                 stream(SAMPLE, 1)[0],
             )
 
@@ -342,28 +343,32 @@ class SpeculativeLoop(eqx.Module):
         The [`speculax.LoopState`][] after the step. A finished row keeps its
         history and counts (its buffer past the history takes the step's drafts).
         """
-        draft_model = as_cached_model(draft_model, "draft_model")
-        target_model = as_cached_model(target_model, "target_model")
-        buffer, draft_tokens, drafted, draft_cache = draft_chain(
-            draft_model, state, draft_uniforms, self.num_draft, self.draft_sampling
+        models = (
+            as_cached_model(draft_model, "draft_model"),
+            as_cached_model(target_model, "target_model"),
         )
-        target_logits, target_cache = score_chain(
-            target_model, buffer, state, self.num_draft
-        )
-        verified = verify_chain(
+        uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
+        if self.draft_tree is not None:
+            assert isinstance(self.step, AbstractTreeStep)
+            return tree_round(
+                models,
+                state,
+                uniforms,
+                self.draft_tree,
+                self.step,
+                self.draft_sampling,
+                self.max_new_tokens,
+                self.end_token,
+            )
+        assert self.num_draft is not None
+        assert isinstance(self.step, SpeculativeStep | LogitsStep)
+        return chain_round(
+            models,
+            state,
+            uniforms,
+            self.num_draft,
             self.step,
-            draft_tokens,
-            drafted,
-            target_logits,
-            state,
-            accept_uniforms,
-            sample_uniforms,
-        )
-        return append_verified(
-            state,
-            buffer,
-            (draft_cache, target_cache),
-            verified,
+            self.draft_sampling,
             self.max_new_tokens,
             self.end_token,
         )
@@ -391,6 +396,39 @@ class SpeculativeLoop(eqx.Module):
             "num_accepted": state.num_accepted,
             "num_target_calls": state.step,
         }
+
+
+def _check_step(
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep, tree: DraftTree | None
+) -> None:
+    """Raises unless `step` suits the drafts (a tree step for a tree, a chain step
+    otherwise) and the loop: whole rows, values checked and failures raised."""
+    # Runtime type checking (jaxtyping with beartype) would catch a wrong kind, but
+    # it is opt-in; without it the step would fail deep inside the first call.
+    if tree is None and not isinstance(step, SpeculativeStep | LogitsStep):
+        raise TypeError(
+            "step must be a speculax.SpeculativeStep (the default, greedy_step(), "
+            "block_step() or any composition of pieces) or a speculax.LogitsStep; "
+            f"got a {type(step).__name__}. A tree step verifies a draft_tree"
+        )
+    if tree is not None and not isinstance(step, AbstractTreeStep):
+        raise TypeError(
+            "with a draft_tree, step must be a tree step, such as "
+            "speculax.TreeStep(siblings=...) or speculax.TraversalStep(siblings=...) "
+            f"with the sibling rule of the tree's drafting; got a "
+            f"{type(step).__name__}"
+        )
+    if not isinstance(step, SpeculativeStep) and step.axis_name is not None:
+        raise ValueError(
+            "step.axis_name must be None: the loop calls its step on whole rows, "
+            "not inside shard_map"
+        )
+    if not (step.check_values and step.throw):
+        raise ValueError(
+            "the loop needs a step that checks values and raises "
+            "(check_values=True, throw=True): a row it could not verify would "
+            "have no token to append"
+        )
 
 
 def _index_inputs(
@@ -436,10 +474,12 @@ def _generate(
         (prompt_length < 1) | (prompt_length > prompt.shape[1]),
         f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
     )
-    slots = prompt.shape[1] + loop.max_new_tokens + loop.num_draft + 1
+    slots = prompt.shape[1] + loop.max_new_tokens + loop.num_nodes + 1
     vocab = jax.eval_shape(
         lambda: read_history(target_model, prompt, slots, "target_model")[0]
     ).shape[-1]
+    if loop.draft_tree is not None:
+        loop.draft_tree.check_vocabulary(vocab)
     if loop.end_token is not None and loop.end_token >= vocab:
         raise ValueError(
             f"end_token must lie in [0, V) = [0, {vocab}); got {loop.end_token}"

@@ -18,20 +18,24 @@ from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
+from .._loop._tree_round import draft_tree
+from .._tree._abstract import AbstractTreeStep
+from ._cells import Constraints, Leaf, Name, States, history_buffer
 from ._chain import in_chunks
-from ._loop_caches import cache_faults, check_caches, filled_caches
+from ._loop_caches import (
+    cache_faults,
+    check_caches,
+    filled_caches,
+    scrambled_caches,
+)
 from ._loop_cells import (
-    Constraints,
-    Leaf,
-    Name,
-    States,
-    history_buffer,
     history_logits,
     per_row,
     piece_name,
     step_leaves,
     verified_pieces,
 )
+from ._loop_tree_cells import tree_step_leaves
 
 
 def loop_output_distribution(
@@ -156,7 +160,7 @@ def loop_output_distribution(
                 for name in stream
             }
             state_list = list(states.items())
-            leaves = step_leaves(
+            leaves = (step_leaves if loop.draft_tree is None else tree_step_leaves)(
                 loop,
                 draft_model,
                 target_model,
@@ -328,8 +332,8 @@ def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
         return tuple(int(word) for word in np.asarray(jax.random.key_data(key)))
 
     return {
-        DRAFT: [name(DRAFT, i) for i in range(loop.num_draft)],
-        ACCEPT: [name(ACCEPT, i) for i in range(loop.num_draft)],
+        DRAFT: [name(DRAFT, i) for i in range(loop.num_nodes)],
+        ACCEPT: [name(ACCEPT, i) for i in range(loop.num_nodes)],
         SAMPLE: [name(SAMPLE, 0)],
     }
 
@@ -342,41 +346,53 @@ def _check_outcome(
     num_accepted: int,
 ) -> None:
     """Raises unless the loop's step did in `leaf` what its cell implies: kept the
-    first `leaf.num_accepted` drafts and drew `leaf.sampled`, then cut to the room
+    tokens `leaf.kept` and drew `leaf.sampled`, then cut to the room
     left and after the end token. A step that reads its uniforms otherwise than the
     enumeration assumes would make the result wrong, not just slow."""
-    implied = [*leaf.drafts[: leaf.num_accepted], leaf.sampled]
+    implied = [*leaf.kept, leaf.sampled]
     implied = implied[: loop.max_new_tokens - len(before)]
     if loop.end_token in implied:
         implied = implied[: implied.index(loop.end_token) + 1]
     added = list(after[len(before) :])
-    if num_accepted == leaf.num_accepted and added == implied:
+    if num_accepted == len(leaf.kept) and added == implied:
         return
-    pieces = verified_pieces(loop.step)
+    assumed = _assumption(loop, num_accepted != len(leaf.kept))
+    raise ValueError(
+        f"the exact enumeration assumes that {assumed}, and this one does not: at "
+        f"uniforms where that implies {len(leaf.kept)} drafts kept and {implied} "
+        f"appended, the loop's step kept {num_accepted} and appended {added}. Test "
+        "such a piece statistically instead, as speculax.testing.lossless_chi_square "
+        "does for a step"
+    )
+
+
+def _assumption(loop: SpeculativeLoop, count_differs: bool) -> str:
+    """What the enumeration assumes of the piece at fault when the loop's step did
+    not do what a cell implies: the count of kept drafts or the drawn token."""
+    if isinstance(loop.step, AbstractTreeStep):
+        return (
+            f"loop.step (a {type(loop.step).__name__}) walks each tree by its rule, "
+            "each child test passing exactly when its node's uniform lies below "
+            "its threshold, and that loop.step.sampler draws each token on one "
+            "interval of its uniform s"
+        )
     if isinstance(loop.step, LogitsStep):
-        assumed = (
+        return (
             "loop.step (a LogitsStep) verifies by the rule it states: rejection "
             "sampling on the rows speculax.probs_from_logits makes of both models' "
             "logits under the row's parameters"
         )
-    elif num_accepted != leaf.num_accepted:
-        assumed = (
+    pieces = verified_pieces(loop.step)
+    if count_differs:
+        return (
             f"each test of {piece_name(loop, 'acceptance')} "
             f"({type(pieces.acceptance).__name__}) passes exactly when its own "
             "uniform lies below a threshold (found by bisection)"
         )
-    else:
-        assumed = (
-            f"{piece_name(loop, 'sampler')} ({type(pieces.sampler).__name__}) draws "
-            "each token on one interval of its uniform s (found by scanning it), as "
-            "inverse-CDF sampling over the vocabulary in any order does"
-        )
-    raise ValueError(
-        f"the exact enumeration assumes that {assumed}, and this one does not: at "
-        f"uniforms where that implies {leaf.num_accepted} drafts kept and {implied} "
-        f"appended, the loop's step kept {num_accepted} and appended {added}. Test "
-        "such a piece statistically instead, as speculax.testing.lossless_chi_square "
-        "does for a step"
+    return (
+        f"{piece_name(loop, 'sampler')} ({type(pieces.sampler).__name__}) draws "
+        "each token on one interval of its uniform s (found by scanning it), as "
+        "inverse-CDF sampling over the vocabulary in any order does"
     )
 
 
@@ -394,12 +410,12 @@ def _outcomes(
     the step kept and whether the row has finished."""
     if not leaves:
         return [], [], []
-    batch, num_draft = len(leaves), loop.num_draft
+    batch, num_draft = len(leaves), loop.num_nodes
     buffer, lengths = history_buffer(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
-        len(prompt) + loop.max_new_tokens + loop.num_draft + 1,
+        len(prompt) + loop.max_new_tokens + loop.num_nodes + 1,
     )
-    buffer, length, num_accepted, done, faults = in_chunks(
+    buffer, length, num_accepted, done, drafts, faults = in_chunks(
         lambda *rows: _advance(
             loop,
             *models,
@@ -415,11 +431,48 @@ def _outcomes(
         np.array([leaf.sample_uniform for leaf in leaves]),
     )
     check_caches(faults)
+    if loop.draft_tree is not None:
+        _check_drafted_trees(leaves, drafts)
     generated = [
         tuple(row[len(prompt) : row_length].tolist())
         for row, row_length in zip(buffer, length, strict=True)
     ]
     return generated, num_accepted.tolist(), done.tolist()
+
+
+def _tiled_or_none(x: jax.Array | None, copies: int) -> jax.Array | None:
+    return None if x is None else jnp.concatenate([x] * copies)
+
+
+def _drafts(
+    loop: SpeculativeLoop,
+    draft_model: AbstractCachedModel,
+    state: LoopState,
+    draft_uniforms: jax.Array,
+) -> jax.Array:
+    """The round's drafts as the loop's drafter makes them: for a tree, int32
+    `(B, N)`, each node's token, `-1` for a node left out; for a chain, none
+    (`(B, 0)`: its drafts are checked through what the step keeps of them)."""
+    if loop.draft_tree is None:
+        return jnp.zeros((state.length.shape[0], 0), jnp.int32)
+    drafted, _ = draft_tree(
+        draft_model, state, draft_uniforms, loop.draft_tree, loop.draft_sampling
+    )
+    return jnp.where(drafted.parents >= 0, drafted.tokens, -1)
+
+
+def _check_drafted_trees(leaves: list[Leaf], drafts: np.ndarray) -> None:
+    """Raises unless the loop's drafter filled, in every leaf, the tree its cell
+    implies."""
+    for leaf, drafted in zip(leaves, drafts.tolist(), strict=True):
+        if tuple(drafted) != leaf.drafts:
+            raise ValueError(
+                "the exact enumeration assumes that the loop's drafter fills the "
+                "draft tree as loop.draft_tree.drafting says (node j's token by "
+                "inverse CDF with DRAFT number j - 1, or by rank); at uniforms "
+                f"where that gives the tokens {list(leaf.drafts)}, it filled "
+                f"{drafted}"
+            )
 
 
 @eqx.filter_jit
@@ -439,7 +492,8 @@ def _advance(
     """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
     step `step`, under the prompt's sampling `parameters`, each model's cache filled
     with the history in one call: the new buffer, lengths, drafts kept and finished
-    flags, and the faults of each row's caches (see `cache_faults`)."""
+    flags, the drafts (see `_drafts`), and the faults of each row's caches (see
+    `cache_faults`)."""
     models = (
         as_cached_model(draft_model, "draft_model"),
         as_cached_model(target_model, "target_model"),
@@ -447,24 +501,49 @@ def _advance(
     batch = buffer.shape[0]
     parameters = per_row(parameters, batch)
 
-    def advanced(caches: tuple) -> LoopState:
-        state = LoopState(
-            buffer=buffer,
-            prompt_length=jnp.full((batch,), prompt_length, jnp.int32),
-            length=length,
-            done=jnp.zeros((batch,), jnp.bool_),
-            num_steps=jnp.zeros((batch,), jnp.int32),
-            num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
+    def before(caches: tuple, copies: int = 1) -> LoopState:
+        def tiled(x: jax.Array) -> jax.Array:
+            return jnp.concatenate([x] * copies)
+
+        return LoopState(
+            buffer=tiled(buffer),
+            prompt_length=jnp.full((copies * batch,), prompt_length, jnp.int32),
+            length=tiled(length),
+            done=jnp.zeros((copies * batch,), jnp.bool_),
+            num_steps=jnp.zeros((copies * batch,), jnp.int32),
+            num_accepted=jnp.full((copies * batch, loop.max_new_tokens), -1, jnp.int32),
             step=jnp.int32(step),
             draft_cache=caches[0],
             target_cache=caches[1],
-            temperature=parameters.temperature,
-            top_k=parameters.top_k,
-            top_p=parameters.top_p,
+            temperature=_tiled_or_none(parameters.temperature, copies),
+            top_k=_tiled_or_none(parameters.top_k, copies),
+            top_p=_tiled_or_none(parameters.top_p, copies),
         )
-        uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
-        return loop.advance(*models, state, *uniforms)
 
-    after = advanced(filled_caches(loop, models, buffer))
-    faults = cache_faults(loop, models, buffer, length, advanced, after)
-    return after.buffer, after.length, after.num_accepted[:, step], after.done, faults
+    caches = filled_caches(loop, models, buffer)
+    variants = [caches, *scrambled_caches(loop, models, buffer, length, caches)]
+    # One call of the step for every variant of the caches, each a batch of rows:
+    # a program with one copy of the step compiles in a fraction of the time.
+    together = jax.tree.map(lambda *xs: jnp.concatenate(xs), *variants)
+    uniforms = [
+        jnp.concatenate([x] * len(variants))
+        for x in (draft_uniforms, accept_uniforms, sample_uniforms)
+    ]
+    stacked = loop.advance(*models, before(together, len(variants)), *uniforms)
+    after = [
+        jax.tree.map(
+            lambda x, k=k: x[k * batch : (k + 1) * batch] if x.ndim else x, stacked
+        )
+        for k in range(len(variants))
+    ]
+    drafts = _drafts(loop, models[0], before(caches), draft_uniforms)
+    faults = cache_faults(loop, models, buffer, length, caches, after, drafts)
+    after = after[0]
+    return (
+        after.buffer,
+        after.length,
+        after.num_accepted[:, step],
+        after.done,
+        drafts,
+        faults,
+    )

@@ -12,11 +12,13 @@ import numpy as np
 from .._loop._cache import (
     AbstractCachedModel,
     empty_cache,
+    path_buffers,
     read_chain,
     read_history,
 )
 from .._loop._loop import SpeculativeLoop
 from .._loop._state import LoopState
+from .._loop._tree_round import TreeRead, draft_reads, read_tree, tree_read
 
 
 _MODELS = ("draft_model", "target_model")
@@ -42,11 +44,33 @@ def filled_caches(
     """The draft's and the target's caches with every token of `buffer` read in one
     call, as `loop.start` fills them with a prompt."""
     slots = buffer.shape[1]
-    if loop.num_draft:
+    if loop.num_nodes:
         draft_cache = read_history(models[0], buffer, slots, _MODELS[0])[1]
     else:
         draft_cache = empty_cache(models[0], buffer.shape[0], slots, _MODELS[0])
     return draft_cache, read_history(models[1], buffer, slots, _MODELS[1])[1]
+
+
+def scrambled_caches(
+    loop: SpeculativeLoop,
+    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    buffer: jax.Array,
+    length: jax.Array,
+    fresh: tuple[Any, Any],
+) -> list[tuple[Any, Any]]:
+    """For each model the round reads, the caches `fresh` (filled with the
+    histories) with that model's slots at and past what it reads as history holding
+    other entries: a step from them must keep the same tokens."""
+    vocab = read_history(models[1], buffer[:, :1], 1, _MODELS[1])[0].shape[-1]
+    other = jnp.where(jnp.arange(buffer.shape[1]) < length[:, None], buffer, vocab - 1)
+    scrambled = filled_caches(loop, models, other)
+    variants = []
+    for model in _read_models(loop):
+        valid = _cached_lengths(length)[model]
+        mixed = list(fresh)
+        mixed[model] = _slots_below(valid, fresh[model], scrambled[model])
+        variants.append((mixed[0], mixed[1]))
+    return variants
 
 
 def cache_faults(
@@ -54,8 +78,9 @@ def cache_faults(
     models: tuple[AbstractCachedModel, AbstractCachedModel],
     buffer: jax.Array,
     length: jax.Array,
-    advanced: Callable[[tuple[Any, Any]], LoopState],
-    after: LoopState,
+    fresh: tuple[Any, Any],
+    after: list[LoopState],
+    drafts: jax.Array,
 ) -> jax.Array:
     """Which assumptions each row's caches break, bool `(B, 3, 2)`: entry
     `[b, f, m]` for fault `f` (the order of `_FAULTS`) of model `m` (draft, target).
@@ -64,35 +89,34 @@ def cache_faults(
 
     - `loop`, `models`: the loop and its two models, with caches.
     - `buffer`, `length`: the histories before the step.
-    - `advanced`: the step from the caches it is given.
-    - `after`: the step from the caches filled with the histories.
+    - `fresh`: both caches filled with the histories.
+    - `after`: the step from `fresh`, then from each of `scrambled_caches`.
+    - `drafts`: for a draft tree, its tokens by node (`-1` for a node left out),
+        which the round's calls read.
     """
-    fresh = filled_caches(loop, models, buffer)
-    vocab = read_history(models[1], buffer[:, :1], 1, _MODELS[1])[0].shape[-1]
-    other = jnp.where(jnp.arange(buffer.shape[1]) < length[:, None], buffer, vocab - 1)
-    scrambled = filled_caches(loop, models, other)
-    refilled = filled_caches(loop, models, after.buffer)
-    left = (after.draft_cache, after.target_cache)
-    calls = _round_calls(loop, length)
-    faults = []
-    for model, valid, valid_after in zip(
-        (0, 1), _cached_lengths(length), _cached_lengths(after.length), strict=True
-    ):
-        if model == 0 and not loop.num_draft:
-            faults.append(jnp.zeros((3, buffer.shape[0]), jnp.bool_))
-            continue
-        mixed = list(fresh)
-        mixed[model] = _slots_below(valid, fresh[model], scrambled[model])
-        faults.append(
-            jnp.stack(
-                [
-                    ~_reads_as_whole(models[model], fresh[model], buffer, calls[model]),
-                    _outcome_differs(after, advanced(tuple(mixed))),
-                    ~_agree_below(valid_after, left[model], refilled[model]),
-                ]
-            )
+    refilled = filled_caches(loop, models, after[0].buffer)
+    left = (after[0].draft_cache, after[0].target_cache)
+    calls = _round_calls(loop, buffer, length, drafts)
+    faults = [jnp.zeros((3, buffer.shape[0]), jnp.bool_)] * 2
+    for model, scrambled in zip(_read_models(loop), after[1:], strict=True):
+        faults[model] = jnp.stack(
+            [
+                ~_reads_as_whole(models[model], fresh[model], buffer, calls[model]),
+                _outcome_differs(after[0], scrambled),
+                ~_agree_below(
+                    _cached_lengths(after[0].length)[model],
+                    left[model],
+                    refilled[model],
+                ),
+            ]
         )
     return jnp.stack(faults, axis=-1).transpose(1, 0, 2)
+
+
+def _read_models(loop: SpeculativeLoop) -> tuple[int, ...]:
+    """The models a round reads: the draft (0) unless it drafts nothing, and the
+    target (1)."""
+    return (0, 1) if loop.num_nodes else (1,)
 
 
 def check_caches(faults: np.ndarray) -> None:
@@ -110,34 +134,91 @@ def _cached_lengths(length: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.maximum(length - 2, 0), length - 1
 
 
+# One call of a round, from the cache before it and the logits of reading the whole
+# buffer: the call's logits, the cache after it, and the logits it should give.
+_Call = Callable[
+    [AbstractCachedModel, Any, jax.Array], tuple[jax.Array, Any, jax.Array]
+]
+
+
 def _reads_as_whole(
     model: AbstractCachedModel,
     cache: Any,
     buffer: jax.Array,
-    calls: list[tuple[jax.Array, int]],
+    calls: list[_Call],
 ) -> jax.Array:
-    """Whether the model's logits in a round's calls, each reading `width` tokens
-    from slot `first` on after what the calls before wrote, are those of reading
-    the whole buffer in one call, per row."""
+    """Whether the model's logits in a round's calls, each after what the calls
+    before wrote, are those of reading each new token's history and what it sees
+    in one call, per row."""
     whole, _ = read_history(model, buffer, buffer.shape[1], "model")
     agree = jnp.ones(buffer.shape[:1], jnp.bool_)
-    for first, width in calls:
-        logits, cache = read_chain(model, buffer, first, width, cache)
-        window = first[:, None] + jnp.arange(width)
-        expected = jnp.take_along_axis(whole, window[..., None], axis=1)
+    for call in calls:
+        logits, cache, expected = call(model, cache, whole)
         agree &= (logits == expected).reshape(buffer.shape[0], -1).all(axis=1)
     return agree
 
 
 def _round_calls(
-    loop: SpeculativeLoop, length: jax.Array
-) -> tuple[list[tuple[jax.Array, int]], list[tuple[jax.Array, int]]]:
-    """The calls a round makes of the draft and of the target, as `(first slot,
-    number of tokens)`: the draft reads the history's last two tokens, then each
-    draft but the last; the target reads the last token and the drafts."""
-    draft_calls = [(jnp.maximum(length - 2, 0), 2)]
-    draft_calls += [(length - 1 + i, 1) for i in range(1, loop.num_draft)]
-    return draft_calls, [(length - 1, loop.num_draft + 1)]
+    loop: SpeculativeLoop, buffer: jax.Array, length: jax.Array, drafts: jax.Array
+) -> tuple[list[_Call], list[_Call]]:
+    """The calls a round makes of the draft and of the target. For a chain, on the
+    buffer: the draft reads the history's last two tokens, then each draft but the
+    last; the target reads the last token and the drafts. For a tree, on its
+    drafts: the draft reads the last two tokens, then each level; the target the
+    root and every node."""
+    first_two = _chain_call(buffer, jnp.maximum(length - 2, 0), 2)
+    tree = loop.draft_tree
+    if tree is None:
+        draft_calls = [first_two]
+        draft_calls += [
+            _chain_call(buffer, length - 1 + i, 1) for i in range(1, loop.num_nodes)
+        ]
+        return draft_calls, [_chain_call(buffer, length - 1, loop.num_nodes + 1)]
+    tokens = jnp.maximum(drafts, 0)
+    everything = tree_read(tree, tuple(range(tree.num_nodes + 1)), length)
+    return (
+        [
+            first_two,
+            *(
+                _tree_call(buffer, length, read, tokens)
+                for read in draft_reads(tree, length)
+            ),
+        ],
+        [_tree_call(buffer, length, everything, tokens)],
+    )
+
+
+def _chain_call(buffer: jax.Array, first: jax.Array, width: int) -> _Call:
+    """The call that reads `width` tokens of `buffer` from slot `first` on, as a
+    chain: it should give the whole buffer's logits there."""
+
+    def call(model: AbstractCachedModel, cache: Any, whole: jax.Array) -> tuple:
+        logits, cache = read_chain(model, buffer, first, width, cache)
+        window = first[:, None] + jnp.arange(width)
+        return logits, cache, jnp.take_along_axis(whole, window[..., None], axis=1)
+
+    return call
+
+
+def _tree_call(
+    buffer: jax.Array, length: jax.Array, read: TreeRead, tokens: jax.Array
+) -> _Call:
+    """The call `read` of some nodes of a tree with these tokens: it should give,
+    for each node, the logits of reading the history and the path to the node in
+    one call."""
+    batch, slots = buffer.shape
+    root = buffer[jnp.arange(batch), length - 1]
+
+    def call(model: AbstractCachedModel, cache: Any, whole: jax.Array) -> tuple:
+        del whole
+        logits, cache = read_tree(model, read, root, tokens, cache)
+        new = jnp.concatenate([root[:, None], tokens], axis=1)[:, list(read.nodes)]
+        paths = path_buffers(buffer, new, read.mask, read.cache_length)
+        path_logits, _ = read_history(model, paths, slots, "model")
+        expected = path_logits[jnp.arange(paths.shape[0]), read.positions.reshape(-1)]
+        return logits, cache, expected.reshape(logits.shape)
+
+    return call
 
 
 def _outcome_differs(left: LoopState, right: LoopState) -> jax.Array:

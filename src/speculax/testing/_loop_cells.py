@@ -3,8 +3,7 @@ draft sequence, pattern of verdicts and drawn token from each state, with its
 probability, found from the step's own pieces."""
 
 import itertools
-from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -18,6 +17,18 @@ from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_probs
+from .._tree._abstract import AbstractTreeStep
+from ._cells import (
+    Cell,
+    Leaf,
+    Name,
+    States,
+    Use,
+    cdf_edges,
+    history_buffer,
+    leaf_at_middle,
+    narrowed,
+)
 from ._chain import (
     SamplerCells,
     acceptance_thresholds,
@@ -28,34 +39,7 @@ from ._chain import (
 )
 
 
-# A random number of the loop, named by the data of the key it is drawn from: two
-# uses with equal keys read the same number.
-Name: TypeAlias = tuple[int, ...]
-# What is known of the random numbers still to be read again: each lies in an
-# interval [lo, hi), independently of the others.
-Constraints: TypeAlias = frozenset[tuple[Name, tuple[float, float]]]
-# The states a step starts from: the tokens generated so far and the constraints
-# carried, each with its probability.
-States: TypeAlias = list[tuple[tuple[tuple[int, ...], Constraints], float]]
-# One use of a random number: it is found to lie in [low, high).
-Use: TypeAlias = tuple[Name, float, float]
 _MAX_LEAVES = 2_000_000
-
-
-class Leaf(NamedTuple):
-    """One cell of one step's random numbers: the state it starts from, its
-    probability, the interval of each number and the number each use reads, and
-    what the step does there: the drafts, the number kept and the token drawn."""
-
-    state: int
-    probability: float
-    intervals: dict[Name, tuple[float, float]]
-    draft_uniforms: list[float]
-    accept_uniforms: list[float]
-    sample_uniform: float
-    drafts: tuple[int, ...]
-    num_accepted: int
-    sampled: int
 
 
 class _StepPieces(NamedTuple):
@@ -115,13 +99,14 @@ def step_leaves(
     The cells, as `Leaf`s.
     """
     pieces = _step_pieces(loop, draft_model, target_model, prompt, states, parameters)
-    patterns = list(itertools.product([True, False], repeat=loop.num_draft))
+    patterns = list(itertools.product([True, False], repeat=loop.num_nodes))
     leaves = []
     for row, (state, sequence) in enumerate(pieces.rows):
         (_, constraints), probability = states[state]
         drafts = tuple(pieces.sequences[sequence].tolist())
-        drafted = _narrowed(
-            dict(constraints), probability, _draft_uses(pieces, names, row, drafts)
+        drafted = narrowed(
+            Cell(dict(constraints), probability),
+            _draft_uses(pieces, names, row, drafts),
         )
         if drafted is None:
             continue
@@ -133,13 +118,17 @@ def step_leaves(
                 "some u below it"
             )
         for pattern, count in zip(patterns, pieces.counts.tolist(), strict=True):
-            tested = _narrowed(*drafted, _test_uses(pieces, names, row, pattern))
+            tested = narrowed(drafted, _test_uses(pieces, names, row, pattern))
             if tested is None:
                 continue
             for token, uses in _sample_uses(loop, pieces, names, row, count):
-                sampled = _narrowed(*tested, uses)
+                sampled = narrowed(tested, uses)
                 if sampled is not None:
-                    leaves.append(_leaf(state, *sampled, names, drafts, count, token))
+                    leaves.append(
+                        leaf_at_middle(
+                            state, sampled, names, drafts, drafts[:count], token
+                        )
+                    )
     return leaves
 
 
@@ -153,7 +142,7 @@ def _step_pieces(
 ) -> _StepPieces:
     """The step's pieces on every state followed by every draft sequence, run in
     chunks under `jit`, and the sampler's cells of their residual weights."""
-    num_draft = loop.num_draft
+    num_draft = loop.num_nodes
     sequences = _draft_sequences(loop, target_model, len(states))
     rows = [
         (state, sequence)
@@ -179,7 +168,7 @@ def _step_pieces(
     return _StepPieces(
         rows=rows,
         sequences=sequences,
-        draft_cdf=_cdf(draft_probs.astype(np.float64)),
+        draft_cdf=cdf_edges(draft_probs.astype(np.float64)),
         thresholds=thresholds,
         monotone=monotone,
         weights=weights,
@@ -196,7 +185,7 @@ def _draft_sequences(
 ) -> np.ndarray:
     """Every sequence of $G$ tokens, int32 `(V^G, G)`, after checking that the cells
     of `num_states` states are not too many to enumerate."""
-    num_draft = loop.num_draft
+    num_draft = loop.num_nodes
     vocab = jax.eval_shape(
         lambda tokens: history_logits(target_model, tokens, tokens),
         jax.ShapeDtypeStruct((1, 1), jnp.int32),
@@ -265,7 +254,7 @@ def _sample_uses(
             "positive probability"
         )
     sampler, cells = verified_pieces(loop.step).sampler, pieces.cells
-    cell = row * (loop.num_draft + 1) + count
+    cell = row * (loop.num_nodes + 1) + count
     if not cells.valid[cell]:
         raise refuse_sampler(piece_name(loop, "sampler"), sampler, cells, cell)
     # A sampler that reads no uniform (Argmax) leaves s unconstrained.
@@ -279,76 +268,6 @@ def _sample_uses(
         )
         if high > low
     ]
-
-
-def _leaf(
-    state: int,
-    intervals: dict[Name, tuple[float, float]],
-    probability: float,
-    names: dict[int, list[Name]],
-    drafts: tuple[int, ...],
-    count: int,
-    token: int,
-) -> Leaf:
-    """The cell with these intervals, its uniforms at the middle of each interval
-    (of `[0, 1)` for a number not yet read)."""
-
-    def middle(name: Name) -> float:
-        low, high = intervals.get(name, (0.0, 1.0))
-        return (low + high) / 2
-
-    return Leaf(
-        state,
-        probability,
-        intervals,
-        [middle(name) for name in names[DRAFT]],
-        [middle(name) for name in names[ACCEPT]],
-        middle(names[SAMPLE][0]),
-        drafts,
-        count,
-        token,
-    )
-
-
-def history_buffer(
-    histories: Sequence[tuple[int, ...]], width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The histories as the rows of a zero-padded buffer, and their lengths."""
-    buffer = np.zeros((len(histories), width), np.int32)
-    for row, history in enumerate(histories):
-        buffer[row, : len(history)] = history
-    lengths = np.array([len(history) for history in histories], np.int32)
-    return buffer, lengths
-
-
-def _narrowed(
-    intervals: dict[Name, tuple[float, float]],
-    probability: float,
-    uses: list[Use],
-) -> tuple[dict[Name, tuple[float, float]], float] | None:
-    """The intervals and probability after each named number is found to lie in
-    `[low, high)`, one use after another; `None` when a use leaves no room.
-
-    Each number is uniform on its interval and independent of the others, so
-    narrowing one multiplies the probability by the fraction of its interval kept.
-    """
-    intervals = dict(intervals)
-    for name, low, high in uses:
-        old_low, old_high = intervals.get(name, (0.0, 1.0))
-        new_low, new_high = max(old_low, low), min(old_high, high)
-        if new_high <= new_low:
-            return None
-        probability *= (new_high - new_low) / (old_high - old_low)
-        intervals[name] = (new_low, new_high)
-    return intervals, probability
-
-
-def _cdf(weights: np.ndarray) -> np.ndarray:
-    """The edges of each token's cell under inverse-CDF sampling: entry $v$ and
-    $v + 1$ of the last axis bound the uniforms that draw $v$."""
-    total = np.sum(weights, axis=-1, keepdims=True)
-    cumulative = np.cumsum(weights, axis=-1) / np.where(total > 0, total, 1)
-    return np.concatenate([np.zeros_like(total), cumulative], axis=-1)
 
 
 @eqx.filter_jit
@@ -370,7 +289,7 @@ def _run_step_pieces(
     parameters = per_row(parameters, rows)
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
     draft_logits = history_logits(draft_model, buffer, positions[:, :-1])
-    drawn = _drawn_rows(loop, draft_logits, parameters)
+    drawn = drawn_rows(loop, draft_logits, parameters)
     draft_probs = drawn
     if isinstance(loop.step, LogitsStep):
         draft_probs = row_probs(draft_logits, parameters)
@@ -387,7 +306,7 @@ def _run_step_pieces(
     return drawn, thresholds, monotone, weights
 
 
-def _drawn_rows(
+def drawn_rows(
     loop: SpeculativeLoop, logits: jax.Array, parameters: RowParameters
 ) -> jax.Array:
     """`loop.draft_sampling`'s rows of the `(B, G, V)` draft logits, position by
@@ -408,11 +327,16 @@ def per_row(parameters: RowParameters, batch: int) -> RowParameters:
     )
 
 
-def verified_pieces(step: SpeculativeStep | LogitsStep) -> SpeculativeStep:
+def verified_pieces(
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep,
+) -> SpeculativeStep:
     """The pieces whose cells the enumeration finds: the step's own, or for a
     [`speculax.LogitsStep`][] those of rejection sampling, the rule it states for
     sampled rows, which on the one-hot rows of a greedy row is greedy
-    verification. Every cell then checks what the LogitsStep did against them."""
+    verification. Every cell then checks what the LogitsStep did against them.
+    A tree step has no chain pieces: `tree_step_leaves` walks its rule."""
+    if isinstance(step, AbstractTreeStep):
+        raise TypeError("a tree step's cells are found by walking its rule")
     return step if isinstance(step, SpeculativeStep) else SpeculativeStep()
 
 

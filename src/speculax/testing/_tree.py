@@ -4,7 +4,7 @@ import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -17,7 +17,8 @@ from .._tree._abstract import AbstractTreeStep
 from .._tree._child_tests import GreedyChildTest, RatioChildTest
 from .._tree._recursive import TreeStep
 from .._tree._traversal import TraversalStep
-from ._chain import refuse_sampler, sampler_cells
+from ._cells import Cell, Name, narrowed
+from ._chain import SamplerCells, refuse_sampler, sampler_cells
 
 
 Model: TypeAlias = Callable[[tuple[int, ...]], Float[np.ndarray, " vocab"]]
@@ -103,29 +104,16 @@ def tree_output_distribution(
     """
     parents = list(parents)
     used = _checked_nodes(step, parents, vocab, drafting, tree_tokens)
-    num_nodes = len(parents)
-    one_hot_draft = (
-        target_only
-        or drafting == "deterministic"
-        or (isinstance(step, TreeStep) and not step.child_test.reads_draft_probs)
-    )
-    enumeration = _Enumeration(
-        children={k: [j for j in used if parents[j - 1] == k] for k in [0, *used]},
-        max_depth=num_nodes if step.max_depth is None else step.max_depth,
-        target=target,
-        draft=draft,
-        vocab=vocab,
-        one_hot_draft=one_hot_draft,
-        takes_out=one_hot_draft
-        and isinstance(step, TreeStep)
-        and step.siblings.takes_out_one_hot_drafts,
-        subtracts_a_kept_draft=isinstance(step, TraversalStep)
-        and step.siblings.subtracts_a_kept_draft,
-        pass_probability=_pass_law(step),
-        sibling_rule=_compiled_rule(step),
-        ends=[],
-        rows={},
-        drawn_from=[],
+    ends = Ends()
+    walker = tree_walker(
+        step,
+        children_in_use(parents, used),
+        target,
+        draft,
+        vocab,
+        one_hot_draft=target_only or reads_one_hot_drafts(step, drafting),
+        coin=lambda node: (node,),
+        ends=ends,
     )
     if drafting == "deterministic":
         assert tree_tokens is not None
@@ -133,11 +121,8 @@ def tree_output_distribution(
     else:
         assignments = _draft_trees(used, parents, draft, vocab, drafting)
     for tokens, weight in assignments:
-        if isinstance(step, TraversalStep):
-            enumeration.traverse(0, 0, (), tokens, weight, [1.0])
-        else:
-            enumeration.walk(0, 0, (), tokens, weight)
-    return enumeration.distribution(step.sampler)
+        walker.walk_tree(tokens, Cell({}, weight))
+    return ends.distribution(step.sampler)
 
 
 def tree_lossless_error(
@@ -206,6 +191,15 @@ def tree_lossless_error(
     return float(error)
 
 
+def check_tree_step(step: AbstractTreeStep) -> None:
+    """Refuses a tree step whose rule the enumeration does not know: one other than
+    [`speculax.TreeStep`][] and [`speculax.TraversalStep`][]."""
+    if type(step) not in (TreeStep, TraversalStep):
+        raise TypeError(
+            f"step must be a TreeStep or a TraversalStep; got {type(step).__name__}"
+        )
+
+
 def _checked_nodes(
     step: AbstractTreeStep,
     parents: list[int],
@@ -216,10 +210,7 @@ def _checked_nodes(
     """The draft nodes in use, after the checks of
     [`speculax.testing.tree_output_distribution`][]'s arguments: the step's kind,
     the parents, `tree_tokens` and the number of draft trees."""
-    if type(step) not in (TreeStep, TraversalStep):
-        raise TypeError(
-            f"step must be a TreeStep or a TraversalStep; got {type(step).__name__}"
-        )
+    check_tree_step(step)
     num_nodes = len(parents)
     used = [j for j in range(1, num_nodes + 1) if parents[j - 1] >= 0]
     for j in used:
@@ -235,16 +226,120 @@ def _checked_nodes(
     return used
 
 
+def children_in_use(
+    parents: Sequence[int], used: Sequence[int]
+) -> dict[int, list[int]]:
+    """The children of the root and of each draft node in use, in index order."""
+    return {k: [j for j in used if parents[j - 1] == k] for k in [0, *used]}
+
+
+def reads_one_hot_drafts(step: AbstractTreeStep, drafting: str) -> bool:
+    """Whether the step reads each child's $q$ as its own one-hot: for drafts it is
+    given as deterministic, or for a child test that reads no $q$."""
+    return drafting in ("deterministic", "top-k") or (
+        isinstance(step, TreeStep) and not step.child_test.reads_draft_probs
+    )
+
+
 @final
 @dataclasses.dataclass
-class _Enumeration:
-    """A tree step's walks, in float64, over the draft trees of one shape, and where
-    they ended: the tokens before the draw, the row of weights the step draws from
-    (each distinct row stored once, by its bytes) and the probability.
+class Ends:
+    """Where a tree step's walks ended: the tokens before the draw, the row of
+    weights the step draws from (each distinct row stored once, by its bytes), the
+    cell of the random numbers read, and a tag the walker gives it."""
 
-    A plain dataclass, not an `eqx.Module`: it holds mutable state, and the walks
-    recurse through its methods thousands of times, where a module would wrap each
-    bound method in a new module that walks the growing state's leaves."""
+    ends: list[tuple[tuple[int, ...], int, Cell, Any]] = dataclasses.field(
+        default_factory=list
+    )
+    rows: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    drawn_from: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def emit(
+        self,
+        prefix: tuple[int, ...],
+        weights: Float[np.ndarray, " vocab"],
+        cell: Cell,
+        tag: Any,
+    ):
+        """Records a walk that ends after the tokens `prefix` in `cell`, the final
+        token drawn from `weights`."""
+        if cell.probability > 0:
+            row = self.rows.setdefault(weights.tobytes(), len(self.rows))
+            if row == len(self.drawn_from):
+                self.drawn_from.append(weights)
+            self.ends.append((prefix, row, cell, tag))
+
+    def sampler_cells(self, sampler: AbstractSampler) -> SamplerCells:
+        """The cells of the final draw's uniform, from `sampler` itself, for every
+        row at once; a sampler that draws a token on more than one interval is
+        refused."""
+        cells = sampler_cells(sampler, np.stack(self.drawn_from))
+        if not np.all(cells.valid):
+            raise refuse_sampler(
+                "step.sampler", sampler, cells, int(np.argmin(cells.valid))
+            )
+        return cells
+
+    def distribution(self, sampler: AbstractSampler) -> dict[tuple[int, ...], float]:
+        """The law of the emitted tokens: each recorded end, then the token
+        `sampler` draws from its row."""
+        drawn = self.sampler_cells(sampler).probs()
+        distribution: dict[tuple[int, ...], float] = {}
+        for prefix, row, cell, _ in self.ends:
+            for v in np.flatnonzero(drawn[row]):
+                key = (*prefix, int(v))
+                distribution[key] = (
+                    distribution.get(key, 0.0) + cell.probability * drawn[row, v]
+                )
+        return distribution
+
+
+def tree_walker(
+    step: AbstractTreeStep,
+    children: dict[int, list[int]],
+    target: Model,
+    draft: Model,
+    vocab: int,
+    *,
+    one_hot_draft: bool,
+    coin: Callable[[int], Name],
+    ends: Ends,
+    tag: Any = None,
+    rule: Callable | None = None,
+) -> "_Walker":
+    """A walker of `step`'s rule over trees with these `children`, in float64,
+    emitting into `ends` with `tag`: node $j$'s coin is the number `coin(j)`, and
+    `rule` the step's compiled sibling rule (compiled here if not given)."""
+    return _Walker(
+        children=children,
+        max_depth=len(children) - 1 if step.max_depth is None else step.max_depth,
+        target=target,
+        draft=draft,
+        vocab=vocab,
+        one_hot_draft=one_hot_draft,
+        takes_out=one_hot_draft
+        and isinstance(step, TreeStep)
+        and step.siblings.takes_out_one_hot_drafts,
+        subtracts_a_kept_draft=isinstance(step, TraversalStep)
+        and step.siblings.subtracts_a_kept_draft,
+        traverses=isinstance(step, TraversalStep),
+        pass_threshold=_pass_law(step),
+        sibling_rule=compiled_rule(step) if rule is None else rule,
+        coin=coin,
+        ends=ends,
+        tag=tag,
+    )
+
+
+@final
+@dataclasses.dataclass
+class _Walker:
+    """A tree step's walks, in float64, over draft trees of one shape, each test of
+    a child narrowing the cell of its coin.
+
+    A plain dataclass, not an `eqx.Module`: the walks recurse through its methods
+    thousands of times, where a module would wrap each bound method in a new
+    module."""
 
     children: dict[int, list[int]]
     max_depth: int
@@ -259,27 +354,34 @@ class _Enumeration:
     # Whether the traversal keeps two numbers per node, the rule stating that it is
     # p' = max(p - q, 0), q' = q: checked at every deletion.
     subtracts_a_kept_draft: bool
-    # The probability that a child passes, from (p, q, the node's own target row,
-    # the child's token): the step's child test, integrated over its coin.
-    pass_probability: Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]
+    traverses: bool
+    # The uniform below which a child passes, from (p, q, the node's own target
+    # row, the child's token), and whether the test reads its coin at all.
+    pass_threshold: Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple]
     sibling_rule: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
-    ends: list[tuple[tuple[int, ...], int, float]]
-    rows: dict[bytes, int]
-    drawn_from: list[np.ndarray]
+    coin: Callable[[int], Name]
+    ends: Ends
+    tag: Any
 
-    def emit(
-        self,
-        prefix: tuple[int, ...],
-        weights: Float[np.ndarray, " vocab"],
-        weight: float,
-    ):
-        """Records a walk that ends after the tokens `prefix` with probability
-        `weight`, the final token drawn from `weights`."""
-        if weight > 0:
-            row = self.rows.setdefault(weights.tobytes(), len(self.rows))
-            if row == len(self.drawn_from):
-                self.drawn_from.append(weights)
-            self.ends.append((prefix, row, weight))
+    def walk_tree(self, tokens: dict[int, int], cell: Cell):
+        """Walks the tree with these node tokens from the root, in `cell`."""
+        if self.traverses:
+            self.traverse(0, 0, (), tokens, cell, [1.0])
+        else:
+            self.walk(0, 0, (), tokens, cell)
+
+    def split(
+        self, cell: Cell, node: int, threshold: float, reads_coin: bool = True
+    ) -> tuple[Cell | None, Cell | None]:
+        """The parts of `cell` where `node` passes (its coin below `threshold`) and
+        where it fails; a test that reads no coin passes at threshold 1."""
+        if not reads_coin:
+            return (cell, None) if threshold >= 1 else (None, cell)
+        name = self.coin(node)
+        return (
+            narrowed(cell, [(name, 0.0, threshold)]),
+            narrowed(cell, [(name, threshold, 1.0)]),
+        )
 
     def walk(
         self,
@@ -287,11 +389,11 @@ class _Enumeration:
         depth: int,
         prefix: tuple[int, ...],
         tokens: dict[int, int],
-        weight: float,
+        cell: Cell,
     ):
-        """Recursive rejection sampling at `node`, reached by the tokens `prefix`
-        with probability `weight`: each child tried in turn, passing with
-        $\\min(1, p(c)/q(c))$, a rejection leaving what the sibling rule returns."""
+        """Recursive rejection sampling at `node`, reached by the tokens `prefix` in
+        `cell`: each child tried in turn, passing with $\\min(1, p(c)/q(c))$, a
+        rejection leaving what the sibling rule returns."""
         own = np.asarray(self.target(prefix), np.float64)
         p, q = own, np.asarray(self.draft(prefix), np.float64)
         weights = own
@@ -300,12 +402,14 @@ class _Enumeration:
             token = tokens[child]
             if self.one_hot_draft:
                 q = np.eye(self.vocab)[token]
-            passes = self.pass_probability(p, q, own, token)
-            if passes > 0:
-                self.walk(child, depth + 1, (*prefix, token), tokens, weight * passes)
-            weight *= 1 - passes
-            if weight == 0:
+            passed, failed = self.split(
+                cell, child, *self.pass_threshold(p, q, own, token)
+            )
+            if passed is not None:
+                self.walk(child, depth + 1, (*prefix, token), tokens, passed)
+            if failed is None:
                 return
+            cell = failed
             if self.takes_out:
                 self.check_taking_out(p, q, token)
                 taken_out, mass = _take_out(own, token, taken_out, mass)
@@ -316,7 +420,7 @@ class _Enumeration:
                 left = own
             weights, p = left, left / left.sum()
             q = q / q.sum() if q.sum() > 0 else q
-        self.emit(prefix, weights, weight)
+        self.ends.emit(prefix, weights, cell, self.tag)
 
     def check_taking_out(self, p: np.ndarray, one_hot: np.ndarray, token: int):
         """Refuses a sibling rule that states `takes_out_one_hot_drafts` but leaves
@@ -334,13 +438,13 @@ class _Enumeration:
         depth: int,
         prefix: tuple[int, ...],
         tokens: dict[int, int],
-        weight: float,
+        cell: Cell,
         alphas: list[float],
-    ) -> float:
+    ) -> Cell | None:
         """Traversal verification of the subtree under `node`, entered with the
-        probability `alphas[-1]` of keeping the path to it; returns the probability
-        that the walk goes on past it (its test and every test under it failed),
-        having updated the parent's entry of `alphas`."""
+        probability `alphas[-1]` of keeping the path to it; returns the part of
+        `cell` where the walk goes on past it (its test and every test under it
+        failed), having updated the parent's entry of `alphas`."""
         own = np.asarray(self.target(prefix), np.float64)
         p, q = own, np.asarray(self.draft(prefix), np.float64)
         weights = own
@@ -350,10 +454,11 @@ class _Enumeration:
                 q = np.eye(self.vocab)[token]
             alphas.append(_next_ratio(alphas[-1], float(p[token]), float(q[token])))
             path = (*prefix, token)
-            weight = self.traverse(child, depth + 1, path, tokens, weight, alphas)
+            going_on = self.traverse(child, depth + 1, path, tokens, cell, alphas)
             alphas.pop()
-            if weight == 0:
-                return 0.0
+            if going_on is None:
+                return None
+            cell = going_on
             left, left_draft = self.sibling_rule(alphas[-1] * p, q, token)
             if self.subtracts_a_kept_draft and not (
                 np.array_equal(left_draft, q)
@@ -371,26 +476,14 @@ class _Enumeration:
                 left = own
             weights, p = left, left / left.sum()
             q = q / q.sum() if q.sum() > 0 else q
-        kept = min(max(alphas[-1], 0.0), 1.0) if node > 0 else 1.0
-        self.emit(prefix, weights, weight * kept)
-        return weight * (1 - kept)
-
-    def distribution(self, sampler: AbstractSampler) -> dict[tuple[int, ...], float]:
-        """The law of the emitted tokens: each recorded end, then the token
-        `sampler` draws from its row, whose law is found from the sampler itself,
-        for every row at once."""
-        cells = sampler_cells(sampler, np.stack(self.drawn_from))
-        if not np.all(cells.valid):
-            raise refuse_sampler(
-                "step.sampler", sampler, cells, int(np.argmin(cells.valid))
-            )
-        drawn = cells.probs()
-        distribution: dict[tuple[int, ...], float] = {}
-        for prefix, row, weight in self.ends:
-            for v in np.flatnonzero(drawn[row]):
-                key = (*prefix, int(v))
-                distribution[key] = distribution.get(key, 0.0) + weight * drawn[row, v]
-        return distribution
+        if node == 0:
+            # The root always passes.
+            self.ends.emit(prefix, weights, cell, self.tag)
+            return None
+        kept, going_on = self.split(cell, node, min(max(alphas[-1], 0.0), 1.0))
+        if kept is not None:
+            self.ends.emit(prefix, weights, kept, self.tag)
+        return going_on
 
 
 def _take_out(
@@ -423,19 +516,21 @@ def _next_ratio(ratio: float, target_at: float, draft_at: float) -> float:
 
 def _pass_law(
     step: AbstractTreeStep,
-) -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], float]:
-    """The probability that `step`'s child test passes a child of token `token`,
-    from the node's current $(p, q)$ and its own target row: for
-    [`speculax.RatioChildTest`][] (and the traversal, whose test is its own) that
-    $u \\, q(c) < p(c)$; for [`speculax.GreedyChildTest`][] 1 or 0. Any other test is
-    refused, as its law cannot be read from it."""
+) -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], tuple[float, bool]]:
+    """The uniform below which `step`'s child test passes a child of token `token`,
+    from the node's current $(p, q)$ and its own target row, and whether the test
+    reads its coin: for [`speculax.RatioChildTest`][] (and the traversal, whose
+    test is its own) $u \\, q(c) < p(c)$; for [`speculax.GreedyChildTest`][] 1 or 0,
+    reading no coin. Any other test is refused, as its law cannot be read from
+    it."""
     test = step.child_test if isinstance(step, TreeStep) else RatioChildTest()
     if isinstance(test, RatioChildTest):
-        return lambda p, q, own, token: _pass_probability(
-            float(p[token]), float(q[token])
+        return lambda p, q, own, token: (
+            _pass_probability(float(p[token]), float(q[token])),
+            True,
         )
     if isinstance(test, GreedyChildTest):
-        return lambda p, q, own, token: float(token == int(np.argmax(own)))
+        return lambda p, q, own, token: (float(token == int(np.argmax(own))), False)
     raise ValueError(
         "step.child_test must be RatioChildTest or GreedyChildTest, whose laws the "
         f"enumeration knows; got {type(test).__name__}"
@@ -443,7 +538,8 @@ def _pass_law(
 
 
 def _pass_probability(target_at: float, draft_at: float) -> float:
-    """The probability that $u \\, q(c) < p(c)$ for a uniform $u$."""
+    """The probability that $u \\, q(c) < p(c)$ for a uniform $u$: the uniform
+    below which it holds."""
     if draft_at > 0:
         return min(1.0, target_at / draft_at)
     return 1.0 if target_at > 0 else 0.0
@@ -490,7 +586,7 @@ def _path(node: int, parents: list[int], tokens: dict[int, int]) -> tuple[int, .
     return tuple(reversed(path))
 
 
-def _compiled_rule(
+def compiled_rule(
     step: AbstractTreeStep,
 ) -> Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
     """The step's sibling rule on float64 NumPy rows, compiled once."""

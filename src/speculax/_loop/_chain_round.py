@@ -1,16 +1,17 @@
-"""The stages of one round of the loop, in order: draft $G$ tokens one at a time,
-score them with the target in one call, verify them with the step, and append what
-the step keeps to each row's history."""
+"""The stages of one round of the loop with a chain of drafts, in order: draft $G$
+tokens one at a time, score them with the target in one call, and verify them with
+the step (`_append` then appends what the step keeps)."""
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from .._chain._step import SpeculativeStep, StepOutput
 from .._logits._step import LogitsStep
 from .._pieces._sampling import InverseCDF
+from ._append import Verified, append_verified
 from ._cache import AbstractCachedModel, Cache, read_chain
 from ._model import widened
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
@@ -24,6 +25,43 @@ class DraftRows(NamedTuple):
 
     logits: Float[Array, "batch draft vocab"]
     probs: Float[Array, "batch draft vocab"]
+
+
+def chain_round(
+    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    state: LoopState,
+    uniforms: tuple[Array, Array, Array],
+    num_draft: int,
+    step: SpeculativeStep | LogitsStep,
+    draft_sampling: AbstractDraftSampling,
+    max_new_tokens: int,
+    end_token: int | None,
+) -> LoopState:
+    """One round with a chain of $G$ drafts, as
+    [`speculax.SpeculativeLoop.advance`][] runs it, from the `(draft, accept,
+    sample)` uniforms: draft, score, verify and append."""
+    draft_uniforms, accept_uniforms, sample_uniforms = uniforms
+    buffer, draft_tokens, drafted, draft_cache = draft_chain(
+        models[0], state, draft_uniforms, num_draft, draft_sampling
+    )
+    target_logits, target_cache = score_chain(models[1], buffer, state, num_draft)
+    verified = verify_chain(
+        step,
+        draft_tokens,
+        drafted,
+        target_logits,
+        state,
+        accept_uniforms,
+        sample_uniforms,
+    )
+    return append_verified(
+        state,
+        buffer,
+        (draft_cache, target_cache),
+        Verified(verified["num_accepted"], verified["tokens"]),
+        max_new_tokens,
+        end_token,
+    )
 
 
 def draft_chain(
@@ -207,80 +245,3 @@ def verify_chain(
         top_k=state.top_k,
         top_p=state.top_p,
     )
-
-
-def append_verified(
-    state: LoopState,
-    buffer: Int[Array, "batch time"],
-    caches: tuple[Cache, Cache],
-    verified: StepOutput,
-    max_new_tokens: int,
-    end_token: int | None,
-) -> LoopState:
-    """Appends to each unfinished row the step's tokens, the kept drafts then the
-    drawn token, as many as fit in the row's remaining room and cut after the end
-    token, and counts the step.
-
-    **Arguments:**
-
-    - `state`: the [`speculax.LoopState`][] before the round.
-    - `buffer`: int32 `(B, T)`, `state.buffer` with the round's drafts written.
-    - `caches`: the draft and target models' caches after the round's calls: the
-        slots of rejected drafts lie past the new history and are written over by
-        the next round.
-    - `verified`: the step's [`speculax.StepOutput`][] on those drafts.
-    - `max_new_tokens`: $N$, a static integer.
-    - `end_token`: the static token id that ends a row, or `None`.
-
-    **Returns:**
-
-    The [`speculax.LoopState`][] after the round. A finished row keeps its history
-    and counts (its buffer past the history takes the round's drafts).
-    """
-    rows = jnp.arange(buffer.shape[0])
-    offsets = jnp.arange(verified["tokens"].shape[1])
-    count, ended = _appended_count(state, verified, max_new_tokens, end_token)
-    active = ~state.done
-    count = jnp.where(active, count, 0)
-    written = jnp.where(
-        offsets < count[:, None],
-        verified["tokens"],
-        jnp.take_along_axis(buffer, state.length[:, None] + offsets, axis=1),
-    )
-    buffer = buffer.at[rows[:, None], state.length[:, None] + offsets].set(written)
-    length = state.length + count
-    return LoopState(
-        buffer=buffer,
-        prompt_length=state.prompt_length,
-        length=length,
-        done=state.done
-        | (active & ended)
-        | (length - state.prompt_length >= max_new_tokens),
-        num_steps=state.num_steps + active,
-        num_accepted=state.num_accepted.at[:, state.step].set(
-            jnp.where(active, verified["num_accepted"], -1)
-        ),
-        step=state.step + 1,
-        draft_cache=caches[0],
-        target_cache=caches[1],
-        temperature=state.temperature,
-        top_k=state.top_k,
-        top_p=state.top_p,
-    )
-
-
-def _appended_count(
-    state: LoopState, verified: StepOutput, max_new_tokens: int, end_token: int | None
-) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
-    """How many of the step's tokens each row takes, finished or not: the kept
-    drafts and the drawn token, at most the room left before `max_new_tokens`, and
-    none past the end token; and whether the row takes the end token, `(B,)` each."""
-    offsets = jnp.arange(verified["tokens"].shape[1])
-    room = max_new_tokens - (state.length - state.prompt_length)
-    count = jnp.minimum(verified["num_accepted"] + 1, room)
-    ended = jnp.zeros(state.length.shape, jnp.bool_)
-    if end_token is not None:
-        is_end = (verified["tokens"] == end_token) & (offsets < count[:, None])
-        ended = is_end.any(axis=1)
-        count = jnp.where(ended, jnp.argmax(is_end, axis=1) + 1, count)
-    return count, ended

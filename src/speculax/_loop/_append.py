@@ -1,0 +1,97 @@
+"""The last stage of every round of the loop: what the step kept is appended to each
+row's history, and the round is counted."""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from ._cache import Cache
+from ._state import LoopState
+
+
+class Verified(NamedTuple):
+    """What a round's step kept, per row: `num_accepted`, int32 `(B,)`, the kept
+    drafts (the depth of the accepted path, for a tree), and `tokens`, int32
+    `(B, W)`, those drafts, then the drawn token, then `-1`."""
+
+    num_accepted: Int[Array, " batch"]
+    tokens: Int[Array, "batch width"]
+
+
+def append_verified(
+    state: LoopState,
+    buffer: Int[Array, "batch time"],
+    caches: tuple[Cache, Cache],
+    verified: Verified,
+    max_new_tokens: int,
+    end_token: int | None,
+) -> LoopState:
+    """Appends to each unfinished row the step's tokens, the kept drafts (or the
+    accepted path) then the drawn token, as many as fit in the row's remaining room
+    and cut after the end token, and counts the step.
+
+    **Arguments:**
+
+    - `state`: the [`speculax.LoopState`][] before the round.
+    - `buffer`: int32 `(B, T)`, `state.buffer`, with the round's drafts written
+        for a chain.
+    - `caches`: the draft and target models' caches after the round: the slots of
+        rejected drafts lie past the new history and are written over by the next
+        round.
+    - `verified`: what the step kept, as `Verified`.
+    - `max_new_tokens`: $N$, a static integer.
+    - `end_token`: the static token id that ends a row, or `None`.
+
+    **Returns:**
+
+    The [`speculax.LoopState`][] after the round. A finished row keeps its history
+    and counts (its buffer past the history takes the round's drafts).
+    """
+    rows = jnp.arange(buffer.shape[0])
+    offsets = jnp.arange(verified.tokens.shape[1])
+    count, ended = _appended_count(state, verified, max_new_tokens, end_token)
+    active = ~state.done
+    count = jnp.where(active, count, 0)
+    written = jnp.where(
+        offsets < count[:, None],
+        verified.tokens,
+        jnp.take_along_axis(buffer, state.length[:, None] + offsets, axis=1),
+    )
+    buffer = buffer.at[rows[:, None], state.length[:, None] + offsets].set(written)
+    length = state.length + count
+    return LoopState(
+        buffer=buffer,
+        prompt_length=state.prompt_length,
+        length=length,
+        done=state.done
+        | (active & ended)
+        | (length - state.prompt_length >= max_new_tokens),
+        num_steps=state.num_steps + active,
+        num_accepted=state.num_accepted.at[:, state.step].set(
+            jnp.where(active, verified.num_accepted, -1)
+        ),
+        step=state.step + 1,
+        draft_cache=caches[0],
+        target_cache=caches[1],
+        temperature=state.temperature,
+        top_k=state.top_k,
+        top_p=state.top_p,
+    )
+
+
+def _appended_count(
+    state: LoopState, verified: Verified, max_new_tokens: int, end_token: int | None
+) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
+    """How many of the step's tokens each row takes, finished or not: the kept
+    drafts and the drawn token, at most the room left before `max_new_tokens`, and
+    none past the end token; and whether the row takes the end token, `(B,)` each."""
+    offsets = jnp.arange(verified.tokens.shape[1])
+    room = max_new_tokens - (state.length - state.prompt_length)
+    count = jnp.minimum(verified.num_accepted + 1, room)
+    ended = jnp.zeros(state.length.shape, jnp.bool_)
+    if end_token is not None:
+        is_end = (verified.tokens == end_token) & (offsets < count[:, None])
+        ended = is_end.any(axis=1)
+        count = jnp.where(ended, jnp.argmax(is_end, axis=1) + 1, count)
+    return count, ended

@@ -1,0 +1,332 @@
+"""The stages of one round of the loop with a draft tree, in order: the draft model
+fills the tree level by level, the target scores it in one call with the ancestor
+mask, a tree step verifies it, and each model's cache keeps the accepted path's
+entries where the next round reads its history."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from .._pieces._sampling import InverseCDF
+from .._tree._abstract import AbstractTreeStep, TreeOutput
+from ._append import Verified, append_verified
+from ._cache import AbstractCachedModel, Cache, read_chain
+from ._draft_tree import DraftTree
+from ._sampling import AbstractDraftSampling, RowParameters, row_probs
+from ._state import LoopState
+
+
+class DraftedTree(NamedTuple):
+    """A round's draft trees, one per row, as a tree step takes them.
+
+    - `parents`: int32 `(B, N)`, the template's parents, `-1` for a node left out
+        (a child drawn without replacement from a row with no token left, and the
+        nodes below it).
+    - `tokens`: int32 `(B, N)`, each draft node's token (0 where left out).
+    - `probs`: float `(B, N + 1, V)`, row $k$ the distribution node $k$'s children
+        were drawn from, or ranked in (zeros for a node without children).
+    """
+
+    parents: Int[Array, "batch nodes"]
+    tokens: Int[Array, "batch nodes"]
+    probs: Float[Array, "batch positions vocab"]
+
+
+class TreeRead(NamedTuple):
+    """One call of a model on some nodes of a round's trees, after each row's
+    history: `nodes`, the nodes read (0 the root), in index order; `positions`,
+    int32 `(B, K)`; `mask`, bool `(B, K, K)`, the ancestor mask among them; and
+    `cache_length`, int32 `(B,)`, where they are written."""
+
+    nodes: tuple[int, ...]
+    positions: Int[Array, "batch new"]
+    mask: Bool[Array, "batch new new"]
+    cache_length: Int[Array, " batch"]
+
+
+def tree_read(
+    tree: DraftTree, nodes: tuple[int, ...], length: Int[Array, " batch"]
+) -> TreeRead:
+    """The call that reads `nodes` of the tree after histories of `length` tokens:
+    node $k$ at position `length - 1` + its depth, seeing its ancestors among
+    `nodes`. The root, if read, is written at slot `length - 1`; else the first node
+    is written at slot `length`, after the root."""
+    index = np.asarray(nodes)
+    batch = length.shape[0]
+    mask = tree.ancestors[index][:, index]
+    first = length - 1 if nodes[0] == 0 else length
+    return TreeRead(
+        nodes=nodes,
+        positions=(length - 1)[:, None] + jnp.asarray(tree.depths)[index],
+        mask=jnp.broadcast_to(jnp.asarray(mask), (batch, *mask.shape)),
+        cache_length=first,
+    )
+
+
+def read_tree(
+    model: AbstractCachedModel,
+    read: TreeRead,
+    root: Int[Array, " batch"],
+    tokens: Int[Array, "batch nodes"],
+    cache: Cache,
+) -> tuple[Float[Array, "batch new vocab"], Cache]:
+    """Calls `model` as `read` says, on the nodes' tokens (the root's `root`)."""
+    with_root = jnp.concatenate([root[:, None], tokens], axis=1)
+    return model(
+        with_root[:, np.asarray(read.nodes)],
+        read.positions,
+        read.mask,
+        cache,
+        read.cache_length,
+    )
+
+
+def draft_reads(tree: DraftTree, length: Int[Array, " batch"]) -> list[TreeRead]:
+    """The calls in which the draft model scores the tree's inner nodes after the
+    root, one per level $1, \\dots, D - 1$: level $d$ reads every node of depth
+    $1, \\dots, d$ (the root is read before, with the history's last tokens)."""
+    return [
+        tree_read(tree, tree.read_up_to(level), length)
+        for level in range(1, tree.depth)
+    ]
+
+
+def tree_round(
+    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    state: LoopState,
+    uniforms: tuple[Array, Array, Array],
+    tree: DraftTree,
+    step: AbstractTreeStep,
+    draft_sampling: AbstractDraftSampling,
+    max_new_tokens: int,
+    end_token: int | None,
+) -> LoopState:
+    """One round with a draft tree, as [`speculax.SpeculativeLoop.advance`][] runs
+    it, from the `(draft, accept, sample)` uniforms: draft, score, verify, keep the
+    path's cache entries and append."""
+    draft_uniforms, accept_uniforms, sample_uniforms = uniforms
+    drafted, draft_cache = draft_tree(
+        models[0], state, draft_uniforms, tree, draft_sampling
+    )
+    target_logits, target_cache = score_tree(models[1], state, drafted, tree)
+    verified = verify_tree(
+        step,
+        drafted,
+        target_logits,
+        state,
+        tree.drafting,
+        accept_uniforms,
+        sample_uniforms,
+    )
+    caches = keep_path(
+        (draft_cache, target_cache),
+        verified["accepted_nodes"],
+        state.length,
+        tree,
+    )
+    kept = Verified(verified["num_accepted"], verified["tokens"][:, : tree.depth + 1])
+    return append_verified(state, state.buffer, caches, kept, max_new_tokens, end_token)
+
+
+def draft_tree(
+    draft_model: AbstractCachedModel,
+    state: LoopState,
+    draft_uniforms: Float[Array, "batch nodes"],
+    tree: DraftTree,
+    draft_sampling: AbstractDraftSampling,
+) -> tuple[DraftedTree, Cache]:
+    """Fills each row's tree level by level: the draft model's row at every node of
+    a level, made by `draft_sampling` under the row's parameters, and the node's
+    children drawn from it (`tree.drafting`), draft node $j$ with uniform $j - 1$.
+
+    The first call reads the history's last two tokens, as for a chain (the root's
+    row); level $d$'s call reads every node of depth $1, \\dots, d$ after the
+    history, each seeing its ancestors.
+
+    **Returns:**
+
+    `(drafted, draft_cache)`: the `DraftedTree`, and the draft model's cache after
+    its last call.
+    """
+    batch = state.length.shape[0]
+    rows = jnp.arange(batch)
+    first = jnp.maximum(state.length - 2, 0)
+    logits, after_root = read_chain(
+        draft_model, state.buffer, first, 2, state.draft_cache
+    )
+    logits = logits[rows, state.length - 1 - first]
+    probs = _sampled(draft_sampling, logits[:, None], state)[:, 0]
+    drafted = DraftedTree(
+        parents=jnp.broadcast_to(
+            jnp.asarray(tree.parents, jnp.int32), (batch, tree.num_nodes)
+        ),
+        tokens=jnp.zeros((batch, tree.num_nodes), jnp.int32),
+        probs=jnp.zeros((batch, tree.num_nodes + 1, probs.shape[-1]), probs.dtype),
+    )
+    drafted = _children_drawn(drafted, tree, 0, probs, draft_uniforms)
+    cache = after_root
+    root = state.buffer[rows, state.length - 1]
+    for level, read in enumerate(draft_reads(tree, state.length), start=1):
+        logits, cache = read_tree(draft_model, read, root, drafted.tokens, after_root)
+        scored = [
+            (k, node)
+            for k, node in enumerate(read.nodes)
+            if tree.depths[node] == level and tree.children(node)
+        ]
+        level_probs = _sampled(
+            draft_sampling, logits[:, np.asarray([k for k, _ in scored])], state
+        )
+        for i, (_, node) in enumerate(scored):
+            drafted = _children_drawn(
+                drafted, tree, node, level_probs[:, i], draft_uniforms
+            )
+    return drafted, cache
+
+
+def _sampled(
+    draft_sampling: AbstractDraftSampling,
+    logits: Float[Array, "batch nodes vocab"],
+    state: LoopState,
+) -> Float[Array, "batch nodes vocab"]:
+    """`draft_sampling`'s rows of some nodes' logits, each under its row's
+    parameters."""
+    batch, count, vocab = logits.shape
+    parameters = RowParameters(
+        *(
+            None if x is None else jnp.repeat(x, count)
+            for x in (state.temperature, state.top_k, state.top_p)
+        )
+    )
+    probs = draft_sampling(logits.reshape(batch * count, vocab), *parameters)
+    return probs.reshape(batch, count, vocab)
+
+
+def _children_drawn(
+    drafted: DraftedTree,
+    tree: DraftTree,
+    node: int,
+    probs: Float[Array, "batch vocab"],
+    draft_uniforms: Float[Array, "batch nodes"],
+) -> DraftedTree:
+    """`drafted` with `node`'s row set to `probs` and its children's tokens drawn
+    from it, in rank order, as `tree.drafting` says."""
+    children = tree.children(node)
+    rows = jnp.arange(probs.shape[0])
+    parents, tokens = drafted.parents, drafted.tokens
+    if tree.drafting == "top-k":
+        ranked = jax.lax.top_k(probs, len(children))[1]
+        for rank, child in enumerate(children):
+            tokens = tokens.at[:, child - 1].set(ranked[:, rank])
+    else:
+        node_used = parents[:, node - 1] >= 0 if node else jnp.ones(rows.shape, bool)
+        left = probs
+        for child in children:
+            token = InverseCDF()(left, draft_uniforms[:, child - 1])
+            if tree.drafting == "without replacement":
+                # A child with no token left is left out, with the nodes below it.
+                drawn = node_used & (left.sum(axis=-1) > 0)
+                parents = parents.at[:, child - 1].set(jnp.where(drawn, node, -1))
+                token = jnp.where(drawn, token, 0)
+                left = left.at[rows, token].set(jnp.where(drawn, 0, left[rows, token]))
+            tokens = tokens.at[:, child - 1].set(token)
+    return DraftedTree(parents, tokens, drafted.probs.at[:, node].set(probs))
+
+
+def score_tree(
+    target_model: AbstractCachedModel,
+    state: LoopState,
+    drafted: DraftedTree,
+    tree: DraftTree,
+) -> tuple[Float[Array, "batch positions vocab"], Cache]:
+    """The target's logits at every node of each row's tree, in one call that reads
+    the root (the history's last token) and the $N$ draft nodes, each seeing its
+    ancestors: node $k$ written at slot `length - 1 + k`.
+
+    **Returns:**
+
+    `(target_logits, target_cache)`: the `(B, N + 1, V)` logits, row $k$ after the
+    path to node $k$, and the target's cache after the call.
+    """
+    read = tree_read(tree, tuple(range(tree.num_nodes + 1)), state.length)
+    root = state.buffer[jnp.arange(state.length.shape[0]), state.length - 1]
+    return read_tree(target_model, read, root, drafted.tokens, state.target_cache)
+
+
+def verify_tree(
+    step: AbstractTreeStep,
+    drafted: DraftedTree,
+    target_logits: Float[Array, "batch positions vocab"],
+    state: LoopState,
+    drafting: str,
+    accept_uniforms: Float[Array, "batch nodes"],
+    sample_uniforms: Float[Array, " batch"],
+) -> TreeOutput:
+    """The tree step on the round's trees: the target's rows under each row's
+    parameters, and the rows the children were drawn from (none for `"top-k"`
+    drafts, which the step takes as deterministic)."""
+    target_probs = row_probs(
+        target_logits, RowParameters(state.temperature, state.top_k, state.top_p)
+    )
+    draft_probs = None if drafting == "top-k" else drafted.probs
+    return step(
+        drafted.parents,
+        drafted.tokens,
+        draft_probs,
+        target_probs,
+        accept_uniforms,
+        sample_uniforms,
+    )
+
+
+def keep_path(
+    caches: tuple[Cache, Cache],
+    accepted_nodes: Int[Array, "batch width"],
+    length: Int[Array, " batch"],
+    tree: DraftTree,
+) -> tuple[Cache, Cache]:
+    """Each model's cache with the accepted path's entries moved to where the next
+    round reads its history: path node $i$ (depth $i$) to slot `length - 1 + i`,
+    from the slot its last call wrote it in. The target wrote node $k$ at
+    `length - 1 + k`; the draft, which reads no node of depth $D$, wrote the nodes
+    of its last call from slot `length` on. Only the path's slots are written, in
+    place: no copy of a cache is made.
+
+    **Arguments:**
+
+    - `caches`: the draft's and the target's caches after the round's calls.
+    - `accepted_nodes`: int32, the path's nodes, then `-1`, as the tree step
+        returns them.
+    - `length`: int32 `(B,)`, the histories' lengths before the round.
+    - `tree`: the [`speculax.DraftTree`][].
+    """
+    last_read = tree.read_up_to(tree.depth - 1)
+    draft_slot = np.full(tree.num_nodes + 1, -1)
+    draft_slot[np.asarray(last_read, int)] = 1 + np.arange(len(last_read))
+    accepted_nodes = accepted_nodes[:, : tree.depth]
+    on_path = accepted_nodes >= 0
+    node = jnp.where(on_path, accepted_nodes, 0)
+    draft_from = jnp.where(on_path, jnp.asarray(draft_slot)[node], -1)
+    target_from = jnp.where(on_path, node, -1)
+    return (
+        _moved(caches[0], length - 1, draft_from),
+        _moved(caches[1], length - 1, target_from),
+    )
+
+
+def _moved(
+    cache: Cache, base: Int[Array, " batch"], sources: Int[Array, "batch depth"]
+) -> Cache:
+    """`cache` with slot `base + 1 + i` of each row set to slot `base + sources[:, i]`,
+    where `sources[:, i] >= 0`."""
+    rows = jnp.arange(base.shape[0])[:, None]
+    targets = base[:, None] + 1 + jnp.arange(sources.shape[1])
+
+    def move(leaf: Array) -> Array:
+        taken = leaf[rows, base[:, None] + jnp.maximum(sources, 0)]
+        written = jnp.where(sources >= 0, targets, leaf.shape[1])
+        return leaf.at[rows, written].set(taken, mode="drop")
+
+    return jax.tree.map(move, cache)

@@ -1,0 +1,228 @@
+"""The loop with a draft tree: lossless over many steps by exact enumeration for every
+drafting mode and both tree steps, negative controls (a sibling rule that does not
+match the drafting, a drafter that fills the tree otherwise than it says), a
+chi-square test of the jitted loop, both row strategies and batch invariance bit for
+bit, and the checks of its arguments."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import speculax
+import speculax.testing
+from test_loop import markov_pair, sequence_counts
+
+
+SLOW = pytest.mark.slow
+# Each sibling rule with the drafting it is lossless for; "top-k" drafts are
+# deterministic, verified with the target-only rule.
+RULES = {
+    "independent": speculax.IndependentSiblings(),
+    "without replacement": speculax.SiblingsWithoutReplacement(),
+    "top-k": speculax.IndependentSiblings(),
+}
+# A root with two children, the first of which has a child.
+SMALL = (0, 0, 1)
+# Two children of the root with two children each.
+TWO_BY_TWO = (0, 0, 1, 1, 2, 2)
+
+
+@functools.cache
+def tree_loop(
+    drafting: str,
+    walk: str,
+    parents: tuple[int, ...] = SMALL,
+    max_new_tokens: int = 4,
+    rule: speculax.AbstractSiblingRule | None = None,
+) -> speculax.SpeculativeLoop:
+    siblings = RULES[drafting] if rule is None else rule
+    step = {
+        "recursive": speculax.TreeStep(siblings=siblings),
+        "traversal": speculax.TraversalStep(siblings=siblings),
+    }[walk]
+    return speculax.SpeculativeLoop(
+        draft_tree=speculax.DraftTree(parents, drafting=drafting),
+        max_new_tokens=max_new_tokens,
+        end_token=2,
+        step=step,
+    )
+
+
+@pytest.mark.parametrize(
+    ("drafting", "walk", "parents", "context"),
+    [
+        ("without replacement", "recursive", SMALL, 1),
+        ("independent", "traversal", SMALL, 1),
+        ("top-k", "recursive", SMALL, 1),
+        # Every other pair, the 2 x 2 tree and a longer context: the extended tier.
+        pytest.param("independent", "recursive", SMALL, 1, marks=SLOW),
+        pytest.param("without replacement", "traversal", SMALL, 1, marks=SLOW),
+        pytest.param("top-k", "traversal", SMALL, 1, marks=SLOW),
+        *(
+            pytest.param(drafting, walk, TWO_BY_TWO, 1, marks=SLOW)
+            for drafting in RULES
+            for walk in ("recursive", "traversal")
+        ),
+        pytest.param("without replacement", "recursive", SMALL, 2, marks=SLOW),
+    ],
+)
+def test_tree_loop_is_lossless_exactly(drafting, walk, parents, context):
+    draft, target = markov_pair(3, context, seed=len(parents) + context)
+    loop = tree_loop(drafting, walk, parents)
+    distribution = speculax.testing.loop_output_distribution(loop, draft, target, [1])
+    # Not vacuous: many sequences, some ended early by the end token.
+    assert len(distribution) > 20
+    assert any(len(tokens) < loop.max_new_tokens for tokens in distribution)
+    assert speculax.testing.loop_lossless_error(loop, draft, target, [1]) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "walk", ["recursive", pytest.param("traversal", marks=SLOW)]
+)
+def test_exact_test_catches_siblings_verified_with_the_wrong_rule(walk):
+    # Children drawn without replacement, verified as if drawn independently.
+    draft, target = markov_pair(3, 1, seed=0)
+    wrong = tree_loop("without replacement", walk, rule=speculax.IndependentSiblings())
+    assert speculax.testing.loop_lossless_error(wrong, draft, target, [1]) > 0.01
+
+
+@SLOW
+def test_exact_test_catches_a_drafter_that_fills_the_tree_otherwise(monkeypatch):
+    import speculax._loop._tree_round as tree_round
+
+    honest = tree_round._children_drawn
+
+    def same_uniform_for_every_child(drafted, tree, node, probs, draft_uniforms):
+        # Every child of a node drawn with its first child's uniform.
+        first = draft_uniforms[:, tree.children(node)[0] - 1]
+        return honest(drafted, tree, node, probs, jnp.broadcast_to(
+            first[:, None], draft_uniforms.shape
+        ))
+
+    monkeypatch.setattr(tree_round, "_children_drawn", same_uniform_for_every_child)
+    draft, target = markov_pair(3, 1, seed=4)
+    # Three tokens: a program of its own, traced with the wrong drafter.
+    loop = tree_loop("independent", "recursive", max_new_tokens=3)
+    with pytest.raises(ValueError, match="drafter fills the draft tree"):
+        speculax.testing.loop_output_distribution(loop, draft, target, [1])
+
+
+@pytest.mark.parametrize(
+    ("drafting", "walk"),
+    [
+        ("without replacement", "recursive"),
+        pytest.param("independent", "traversal", marks=SLOW),
+        pytest.param("top-k", "recursive", marks=SLOW),
+    ],
+)
+def test_jitted_tree_loop_samples_the_target(drafting, walk):
+    draft, target = markov_pair(3, 1, seed=11)
+    observed, expected = sequence_counts(tree_loop(drafting, walk), draft, target)
+    assert len(observed) > 15
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def random_batch(rows: int, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    prompt = jnp.asarray(rng.integers(0, 3, size=(rows, 3)))
+    lengths = jnp.asarray(rng.integers(1, 4, size=rows))
+    return prompt, lengths, jax.random.split(jax.random.key(seed), rows)
+
+
+@pytest.mark.parametrize(
+    "drafting", ["without replacement", pytest.param("top-k", marks=SLOW)]
+)
+def test_both_row_strategies_give_the_same_tree_loop(drafting):
+    draft, target = markov_pair(3, 1, seed=2)
+    loop = tree_loop(drafting, "traversal", TWO_BY_TWO, max_new_tokens=8)
+    prompt, lengths, keys = random_batch(24, seed=1)
+    outputs = []
+    for strategy in ("one at a time", "all at once"):
+        with speculax.row_strategy(strategy):
+            outputs.append(
+                loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
+            )
+    for name in outputs[0]:
+        np.testing.assert_array_equal(outputs[0][name], outputs[1][name], name)
+    # Not vacuous: every draft rejected in some rounds, a whole path kept in others.
+    accepted = np.asarray(outputs[0]["num_accepted"])
+    assert {0, 2} <= set(accepted[accepted >= 0].tolist())
+
+
+@SLOW
+def test_tree_loop_row_alone_equals_row_in_batch():
+    draft, target = markov_pair(3, 1, seed=2)
+    loop = tree_loop("independent", "recursive", TWO_BY_TWO, max_new_tokens=8)
+    prompt, lengths, keys = random_batch(16, seed=3)
+    batch = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
+    for row in (0, 7, 15):
+        alone = loop(
+            draft,
+            target,
+            prompt[row : row + 1],
+            key=keys[row : row + 1],
+            prompt_lengths=lengths[row : row + 1],
+        )
+        for name in ("tokens", "num_tokens", "num_steps", "num_accepted"):
+            np.testing.assert_array_equal(alone[name][0], batch[name][row], name)
+
+
+def test_a_tree_needs_a_tree_step_and_a_chain_a_chain_step():
+    tree = speculax.DraftTree(SMALL, drafting="independent")
+    with pytest.raises(TypeError, match="with a draft_tree, step must be a tree step"):
+        speculax.SpeculativeLoop(draft_tree=tree, max_new_tokens=2)
+    with pytest.raises(TypeError, match="A tree step verifies a draft_tree"):
+        speculax.SpeculativeLoop(
+            num_draft=2, max_new_tokens=2, step=speculax.TreeStep()
+        )
+    with pytest.raises(ValueError, match="exactly one of num_draft"):
+        speculax.SpeculativeLoop(
+            num_draft=2, draft_tree=tree, max_new_tokens=2, step=speculax.TreeStep()
+        )
+    with pytest.raises(ValueError, match="exactly one of num_draft"):
+        speculax.SpeculativeLoop(max_new_tokens=2)
+    with pytest.raises(ValueError, match="throw=True"):
+        speculax.SpeculativeLoop(
+            draft_tree=tree,
+            max_new_tokens=2,
+            step=speculax.TreeStep(throw=False),
+        )
+
+
+@pytest.mark.parametrize(
+    ("parents", "drafting", "match"),
+    [
+        ((0, 2), "independent", r"parents\[1\] must lie in \[0, 2\)"),
+        ((0, -1), "independent", r"parents\[1\] must lie in \[0, 2\)"),
+        ((), "independent", "at least one draft node"),
+        # Runtime type checking names the argument before the checks do.
+        ([[0]], "independent", "parents"),
+        ((0, 0), "greedy", "drafting"),
+        ((0, 0.5), "independent", "parents"),
+    ],
+)
+def test_draft_tree_refuses_bad_arguments(parents, drafting, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        speculax.DraftTree(parents, drafting=drafting)
+
+
+def test_draft_tree_reads_integers_by_value():
+    wide = np.array([0, 0, 1], np.uint64)
+    assert speculax.DraftTree(wide, drafting="top-k").parents == SMALL
+    with pytest.raises(ValueError, match="must lie in"):
+        speculax.DraftTree(np.array([0, 2**32], np.int64), drafting="top-k")
+
+
+def test_a_top_k_tree_has_no_more_children_than_tokens():
+    draft, target = markov_pair(3, 1, seed=0)
+    loop = speculax.SpeculativeLoop(
+        draft_tree=speculax.DraftTree((0, 0, 0, 0), drafting="top-k"),
+        max_new_tokens=2,
+        step=speculax.TreeStep(),
+    )
+    with pytest.raises(ValueError, match="4 children, more than the V = 3 tokens"):
+        loop(draft, target, jnp.zeros((1, 1), jnp.int32), key=jax.random.key(0))
