@@ -271,3 +271,107 @@ def test_cacheless_scores_chains_and_trees_and_refuses_other_reads():
     # The first token seeing a later one.
     with pytest.raises(Exception, match="Cacheless scores chains and trees only"):
         model(tokens, jnp.array([[1, 2, 2]]), tree.at[0, 0, 2].set(True), cache, start)
+
+
+# Two children of the root with two children each; and the first with one.
+TWO_BY_TWO = (0, 0, 1, 1, 2, 2)
+SMALL = (0, 0, 1)
+
+
+@functools.cache
+def cached_tree_loop(
+    drafting: str, parents: tuple[int, ...] = TWO_BY_TWO, max_new_tokens: int = 10
+) -> speculax.SpeculativeLoop:
+    siblings = {
+        "without replacement": speculax.SiblingsWithoutReplacement(),
+        "independent": speculax.IndependentSiblings(),
+        "top-k": speculax.IndependentSiblings(),
+    }[drafting]
+    return speculax.SpeculativeLoop(
+        draft_tree=speculax.DraftTree(parents, drafting=drafting),
+        max_new_tokens=max_new_tokens,
+        end_token=3,
+        step=speculax.TraversalStep(siblings=siblings),
+    )
+
+
+@pytest.mark.parametrize(
+    ("drafting", "which"),
+    [
+        ("without replacement", "both"),
+        *(
+            pytest.param(drafting, which, marks=pytest.mark.slow)
+            for drafting in ("without replacement", "independent", "top-k")
+            for which in ("both", "target", "draft")
+            if (drafting, which) != ("without replacement", "both")
+        ),
+    ],
+)
+def test_cached_tree_loop_gives_the_cacheless_tokens_bit_for_bit(drafting, which):
+    # A context of two tokens: each node reads its parent, from the new tokens or,
+    # for the first level, from the cache, and the path kept must be the history.
+    draft, target = markov_pair(4, 2, seed=5)
+    loop = cached_tree_loop(drafting)
+    rows = 48
+    rng = np.random.default_rng(5)
+    prompt = jnp.asarray(rng.integers(0, 4, size=(rows, 3)))
+    lengths = jnp.asarray(rng.integers(1, 4, size=rows))
+    keys = jax.random.split(jax.random.key(5), rows)
+    plain = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
+    models = {
+        "both": (cached(draft), cached(target)),
+        "target": (draft, cached(target)),
+        "draft": (cached(draft), target),
+    }[which]
+    out = loop(*models, prompt, key=keys, prompt_lengths=lengths)
+    for name in plain:
+        np.testing.assert_array_equal(out[name], plain[name], err_msg=name)
+    # Not vacuous: paths of both depths kept, and none.
+    accepted = np.asarray(out["num_accepted"])
+    assert {0, 1, 2} <= set(accepted[accepted >= 0].tolist())
+
+
+@pytest.mark.parametrize(
+    "drafting",
+    [
+        pytest.param(drafting, marks=pytest.mark.slow)
+        for drafting in ("without replacement", "independent", "top-k")
+    ],
+)
+def test_cached_tree_loop_is_lossless_exactly(drafting):
+    draft, target = markov_pair(3, 2, seed=6)
+    loop = cached_tree_loop(drafting, SMALL, max_new_tokens=4)
+    error = speculax.testing.loop_lossless_error(
+        loop, cached(draft), cached(target), [1, 0]
+    )
+    assert error < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("faulty", ["draft", "target"])
+def test_exact_test_refuses_a_faulty_cache_in_a_tree_loop(faulty):
+    draft, target = markov_pair(3, 2, seed=6)
+    models = {"draft": cached(draft), "target": cached(target)}
+    models[faulty] = cached(models[faulty], "reads rejected drafts")
+    loop = cached_tree_loop("independent", SMALL, max_new_tokens=3)
+    # The calls that read the tree see the slots past the history first.
+    match = f"{faulty}_model (reads its cache at or past|gives other logits)"
+    with pytest.raises(ValueError, match=match):
+        speculax.testing.loop_output_distribution(
+            loop, models["draft"], models["target"], [1, 0]
+        )
+
+
+def test_exact_test_refuses_a_loop_that_keeps_the_wrong_path(monkeypatch):
+    # Without the accepted path's entries moved, the slots after the root hold the
+    # tree's first nodes: the next round would read them as its history.
+    import speculax._loop._tree_round as tree_round
+
+    monkeypatch.setattr(tree_round, "keep_path", lambda caches, *args: caches)
+    draft, target = markov_pair(3, 2, seed=6)
+    # Two tokens: a program of its own, traced without the path kept.
+    loop = cached_tree_loop("without replacement", SMALL, max_new_tokens=2)
+    with pytest.raises(ValueError, match="target_model's cache after a step differs"):
+        speculax.testing.loop_output_distribution(
+            loop, cached(draft), cached(target), [1, 0]
+        )

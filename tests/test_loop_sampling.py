@@ -83,6 +83,36 @@ def test_loop_with_sampling_parameters_is_lossless_exactly_for_bfloat16_logits()
             assert error < 1e-12, (name, step_name)
 
 
+@functools.cache
+def sampling_tree_loop(drafting: str) -> speculax.SpeculativeLoop:
+    siblings = (
+        speculax.SiblingsWithoutReplacement()
+        if drafting == "without replacement"
+        else speculax.IndependentSiblings()
+    )
+    return speculax.SpeculativeLoop(
+        draft_tree=speculax.DraftTree((0, 0, 1), drafting=drafting),
+        max_new_tokens=4,
+        end_token=3,
+        step=speculax.TreeStep(siblings=siblings),
+    )
+
+
+# The default tier proves sampling in the loop on chains, and trees without it.
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", ["without replacement", "independent", "top-k"])
+def test_tree_loop_with_sampling_parameters_is_lossless_exactly(drafting):
+    # The drafter fills each row's tree under the row's parameters, and the tree
+    # step is given the rows it drew from and the target's rows under them.
+    draft, target = models()
+    loop = sampling_tree_loop(drafting)
+    for name, request in REQUESTS.items():
+        error = speculax.testing.loop_lossless_error(
+            loop, draft, target, [1, 0], **request
+        )
+        assert error < 1e-12, name
+
+
 @pytest.mark.slow
 def test_greedy_row_is_greedy_decoding():
     draft, target = models()
@@ -93,9 +123,11 @@ def test_greedy_row_is_greedy_decoding():
         if history[-1] == 3:
             break
     greedy = tuple(history[1:])
-    for step_name in STEPS:
+    loops = [sampling_loop(step_name) for step_name in STEPS]
+    loops += [sampling_tree_loop(drafting) for drafting in ("independent", "top-k")]
+    for loop in loops:
         found = speculax.testing.loop_output_distribution(
-            sampling_loop(step_name), draft, target, [2], temperature=0.0
+            loop, draft, target, [2], temperature=0.0
         )
         assert found == {greedy: pytest.approx(1, abs=1e-12)}
 
@@ -220,6 +252,40 @@ def test_row_is_batch_invariant_bit_for_bit_under_its_parameters(step_name):
     batched, shuffled = mixed_output(step_name, False), mixed_output(step_name, True)
     for name in batched:
         np.testing.assert_array_equal(shuffled[name], batched[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_jitted_tree_loop_samples_each_row_under_its_parameters():
+    draft, target = models()
+    loop = sampling_tree_loop("independent")
+    rows = NUM_ROWS // 2
+    prompt = jnp.broadcast_to(jnp.array([1, 0]), (rows, 2))
+    out = loop(
+        draft,
+        target,
+        prompt,
+        key=jax.random.split(jax.random.key(8), rows),
+        **mixed_batch(rows),
+    )
+    tokens, lengths = np.asarray(out["tokens"]), np.asarray(out["num_tokens"])
+    for kind, (name, request) in enumerate(REQUESTS.items()):
+        exact = speculax.testing.target_output_distribution(
+            target, [1, 0], 4, 3, **request
+        )
+        seen: dict[tuple[int, ...], int] = {}
+        for row, length in zip(tokens[kind::4], lengths[kind::4], strict=True):
+            sequence = tuple(row[:length].tolist())
+            seen[sequence] = seen.get(sequence, 0) + 1
+        assert set(seen) <= set(exact), name
+        if name == "greedy":
+            assert len(seen) == 1
+            continue
+        observed, expected = pooled(
+            [seen.get(sequence, 0) for sequence in exact],
+            [probability * rows / 4 for probability in exact.values()],
+        )
+        assert len(observed) > 10, name
+        assert stats.chisquare(observed, expected).pvalue > 1e-3, name
 
 
 @pytest.mark.slow
