@@ -94,15 +94,19 @@ def bit_for_bit_loop(num_draft: int) -> speculax.SpeculativeLoop:
         ),
     ],
 )
-def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
-    draft, target = markov_pair(4, 2, seed=num_draft)
-    loop = bit_for_bit_loop(num_draft)
+def cached_equals_cacheless(
+    loop: speculax.SpeculativeLoop, which: str, seed: int
+) -> dict[str, np.ndarray]:
+    """Runs `loop` on 48 rows of a Markov pair of the last two tokens, with the
+    cache on `which` model ("both", "target" or "draft") and without, asserts the
+    outputs equal bit for bit, and returns the cached one's."""
+    draft, target = markov_pair(4, 2, seed=seed)
     rows = 48
-    rng = np.random.default_rng(num_draft)
+    rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.integers(0, 4, size=(rows, 3)))
     # Prompts of one token too: the draft then reads one token, not two, first.
     lengths = jnp.asarray(rng.integers(1, 4, size=rows))
-    keys = jax.random.split(jax.random.key(num_draft), rows)
+    keys = jax.random.split(jax.random.key(seed), rows)
     plain = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
     models = {
         "both": (cached(draft), cached(target)),
@@ -112,6 +116,11 @@ def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
     out = loop(*models, prompt, key=keys, prompt_lengths=lengths)
     for name in plain:
         np.testing.assert_array_equal(out[name], plain[name], err_msg=name)
+    return {name: np.asarray(value) for name, value in out.items()}
+
+
+def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
+    out = cached_equals_cacheless(bit_for_bit_loop(num_draft), which, num_draft)
     # Not vacuous: rows of every length, with drafts rejected and kept.
     if num_draft:
         accepted = np.asarray(out["num_accepted"])
@@ -310,22 +319,7 @@ def cached_tree_loop(
 def test_cached_tree_loop_gives_the_cacheless_tokens_bit_for_bit(drafting, which):
     # A context of two tokens: each node reads its parent, from the new tokens or,
     # for the first level, from the cache, and the path kept must be the history.
-    draft, target = markov_pair(4, 2, seed=5)
-    loop = cached_tree_loop(drafting)
-    rows = 48
-    rng = np.random.default_rng(5)
-    prompt = jnp.asarray(rng.integers(0, 4, size=(rows, 3)))
-    lengths = jnp.asarray(rng.integers(1, 4, size=rows))
-    keys = jax.random.split(jax.random.key(5), rows)
-    plain = loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
-    models = {
-        "both": (cached(draft), cached(target)),
-        "target": (draft, cached(target)),
-        "draft": (cached(draft), target),
-    }[which]
-    out = loop(*models, prompt, key=keys, prompt_lengths=lengths)
-    for name in plain:
-        np.testing.assert_array_equal(out[name], plain[name], err_msg=name)
+    out = cached_equals_cacheless(cached_tree_loop(drafting), which, seed=5)
     # Not vacuous: paths of both depths kept, and none.
     accepted = np.asarray(out["num_accepted"])
     assert {0, 1, 2} <= set(accepted[accepted >= 0].tolist())

@@ -99,16 +99,16 @@ def test_demo_matches_every_worked_example(capsys):
 
 
 @pytest.mark.slow
-def test_demo_loop_reports_each_number_of_drafts(capsys):
+def test_demo_loop_reports_each_verification_and_the_cache(capsys):
     status, out, err = _main(
         [
             "demo",
             "--loop",
-            "--num-draft",
-            "3",
             "--max-new-tokens",
             "12",
-            "--batch-size",
+            "--batch-sizes",
+            "8",
+            "--cache-lengths",
             "8",
             "--repeats",
             "1",
@@ -116,23 +116,34 @@ def test_demo_loop_reports_each_number_of_drafts(capsys):
         capsys,
     )
     assert status == 0, err
-    # Progress on standard error, a line as each G starts and as it ends; the
-    # table on standard output.
-    assert err.splitlines()[0] == (
-        "speculax demo --loop: [1/2] G = 0: compiling and timing ..."
+    # Progress on standard error, a line as each run starts and as it ends; the
+    # tables on standard output.
+    lines = err.splitlines()
+    assert lines[0] == (
+        "speculax demo --loop: [1/5] target alone, 8 per call: compiling and timing ..."
     )
-    assert err.splitlines()[3].startswith("speculax demo --loop: [2/2] G = 3: ")
-    assert len(err.splitlines()) == 4 and "compiling" not in out
-    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
-    assert [row[0] for row in rows] == ["0", "3"]
-    baseline, speculative = rows
-    assert baseline[1] == "-" and baseline[2] == "1.00" and baseline[-1] == "1.00x"
-    # The trained draft agrees with the target often: more than one token a call.
-    assert 0.2 < float(speculative[1]) < 1
-    assert 1.3 < float(speculative[2]) <= 4
+    assert lines[9].startswith("speculax demo --loop: [5/5] traversal, 8 per call: ")
+    assert "8 new tokens, cacheless" in lines[11]
+    assert len(lines) == 12 and "compiling" not in out
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split()
+        and line.split()[0] in ("target", "chain", "block", "tree", "traversal")
+    }
+    assert rows["target"][1:][:4] == ["alone", "8", "0", "1.00"]
+    assert rows["target"][-1] == "1.00x"
+    # The trained draft agrees with the target often: more than one token a call,
+    # and block verification and trees keep more.
+    for name in ("chain", "block", "tree", "traversal"):
+        assert 1.3 < float(rows[name][3]) <= 7, name
     # One batch of 8 prompts: the target alone takes one call per token.
-    assert baseline[3] == "12" and 3 <= int(speculative[3]) < 12
+    assert rows["target"][5] == "12" and 2 <= int(rows["chain"][4]) < 12
     assert "def __init__(self, " in out
+    cache_rows = [
+        line.split() for line in out.splitlines() if line.startswith("         8")
+    ]
+    assert len(cache_rows) == 1
 
 
 def test_version(capsys):
@@ -216,11 +227,20 @@ def test_run_rejects_a_seed_beside_uniforms(tmp_path, capsys):
     _assert_one_line(*_run_text(data, tmp_path, capsys), "either seed or")
 
 
-def test_demo_loop_rejects_a_bad_number_of_drafts(capsys):
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--num-draft", "0"], "must be a positive integer"),
+        (["--verify", "greedy"], "invalid choice: 'greedy'"),
+        (["--batch-sizes", "3"], "invalid choice: 3"),
+        (["--cache-lengths", "0"], "must be a positive integer"),
+    ],
+)
+def test_demo_loop_rejects_bad_arguments(arguments, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _main(["demo", "--loop", "--num-draft", "0"], capsys)
+        _main(["demo", "--loop", *arguments], capsys)
     assert exit_info.value.code == 2
-    assert "must be a positive integer" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def _run_text(data: bytes, tmp_path, capsys) -> tuple[int, str, str]:

@@ -14,7 +14,7 @@ from scipy import stats
 
 import speculax
 import speculax.testing
-from test_loop import markov_pair, sequence_counts
+from test_loop import markov_pair, pooled
 
 
 SLOW = pytest.mark.slow
@@ -115,19 +115,61 @@ def test_exact_test_catches_a_drafter_that_fills_the_tree_otherwise(monkeypatch)
         speculax.testing.loop_output_distribution(loop, draft, target, [1])
 
 
-@pytest.mark.parametrize(
-    ("drafting", "walk"),
-    [
-        ("without replacement", "recursive"),
-        pytest.param("independent", "traversal", marks=SLOW),
-        pytest.param("top-k", "recursive", marks=SLOW),
-    ],
-)
-def test_jitted_tree_loop_samples_the_target(drafting, walk):
+# The jitted loop on many rows: even rows after the prompt [1, 0], for the
+# chi-square test; odd rows after random prompts of 1 to 3 tokens.
+NUM_ROWS = 20_000
+CHI_SQUARE = [
+    ("without replacement", "recursive"),
+    pytest.param("independent", "traversal", marks=SLOW),
+    pytest.param("top-k", "recursive", marks=SLOW),
+]
+
+
+@functools.cache
+def many_rows(drafting: str, walk: str, strategy: str) -> dict[str, np.ndarray]:
     draft, target = markov_pair(3, 1, seed=11)
-    observed, expected = sequence_counts(tree_loop(drafting, walk), draft, target)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 3, size=(NUM_ROWS, 3))
+    prompt[::2, :2] = [1, 0]
+    lengths = rng.integers(1, 4, size=NUM_ROWS)
+    lengths[::2] = 2
+    keys = jax.random.split(jax.random.key(5), NUM_ROWS)
+    with speculax.row_strategy(strategy):
+        out = tree_loop(drafting, walk)(
+            draft, target, prompt, key=keys, prompt_lengths=lengths
+        )
+    return {name: np.asarray(value) for name, value in out.items()}
+
+
+@pytest.mark.parametrize(("drafting", "walk"), CHI_SQUARE)
+def test_jitted_tree_loop_samples_the_target(drafting, walk):
+    _, target = markov_pair(3, 1, seed=11)
+    out = many_rows(drafting, walk, "one at a time")
+    exact = speculax.testing.target_output_distribution(target, [1, 0], 4, 2)
+    seen: dict[tuple[int, ...], int] = {}
+    for row, length in zip(out["tokens"][::2], out["num_tokens"][::2], strict=True):
+        sequence = tuple(row[:length].tolist())
+        seen[sequence] = seen.get(sequence, 0) + 1
+    assert set(seen) <= set(exact)
+    observed, expected = pooled(
+        [seen.get(sequence, 0) for sequence in exact],
+        [probability * NUM_ROWS / 2 for probability in exact.values()],
+    )
     assert len(observed) > 15
     assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(("drafting", "walk"), CHI_SQUARE)
+def test_both_row_strategies_give_the_same_tree_loop(drafting, walk):
+    one, every = (
+        many_rows(drafting, walk, strategy)
+        for strategy in ("one at a time", "all at once")
+    )
+    for name in one:
+        np.testing.assert_array_equal(every[name], one[name], name)
+    # Not vacuous: every draft rejected in some rounds, a whole path kept in others.
+    accepted = one["num_accepted"]
+    assert {0, 1, 2} <= set(accepted[accepted >= 0].tolist())
 
 
 def random_batch(rows: int, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,26 +177,6 @@ def random_batch(rows: int, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]
     prompt = jnp.asarray(rng.integers(0, 3, size=(rows, 3)))
     lengths = jnp.asarray(rng.integers(1, 4, size=rows))
     return prompt, lengths, jax.random.split(jax.random.key(seed), rows)
-
-
-@pytest.mark.parametrize(
-    "drafting", ["without replacement", pytest.param("top-k", marks=SLOW)]
-)
-def test_both_row_strategies_give_the_same_tree_loop(drafting):
-    draft, target = markov_pair(3, 1, seed=2)
-    loop = tree_loop(drafting, "traversal", TWO_BY_TWO, max_new_tokens=8)
-    prompt, lengths, keys = random_batch(24, seed=1)
-    outputs = []
-    for strategy in ("one at a time", "all at once"):
-        with speculax.row_strategy(strategy):
-            outputs.append(
-                loop(draft, target, prompt, key=keys, prompt_lengths=lengths)
-            )
-    for name in outputs[0]:
-        np.testing.assert_array_equal(outputs[0][name], outputs[1][name], name)
-    # Not vacuous: every draft rejected in some rounds, a whole path kept in others.
-    accepted = np.asarray(outputs[0]["num_accepted"])
-    assert {0, 2} <= set(accepted[accepted >= 0].tolist())
 
 
 @SLOW

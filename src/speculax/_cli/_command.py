@@ -37,9 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         if args.loop:
-            return _demo_loop(
-                args.num_draft, args.max_new_tokens, args.batch_size, args.repeats
-            )
+            return _demo_loop(args)
         return _demo()
     if args.command == "bench":
         return _bench(args.sizes, args.repeats, args.json)
@@ -74,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_demo_parser(commands: Any) -> None:
     """The `demo` subcommand and its `--loop` options."""
+    from ._demo._measure import VERIFICATIONS
+
     demo_parser = commands.add_parser(
         "demo",
         help="run the worked examples of the specification and a random batch; with "
@@ -82,16 +82,24 @@ def _add_demo_parser(commands: Any) -> None:
     demo_parser.add_argument(
         "--loop",
         action="store_true",
-        help="run the loop with the shipped draft and target models and report the "
-        "acceptance rate, tokens per target call and speedup",
+        help="run the loop with the shipped draft and target transformers and "
+        "report the tokens per target call and the speedup of each verification, "
+        "and the time per token with and without the models' caches",
+    )
+    demo_parser.add_argument(
+        "--verify",
+        nargs="+",
+        choices=[v for v in VERIFICATIONS if v != "target alone"],
+        default=[v for v in VERIFICATIONS if v != "target alone"],
+        help="with --loop: the verifications to run beside the target alone "
+        "(default: all)",
     )
     demo_parser.add_argument(
         "--num-draft",
-        nargs="+",
         type=_positive_int,
-        default=[1, 2, 3, 4, 6, 8],
+        default=4,
         metavar="G",
-        help="with --loop: the numbers of draft tokens to run (default: 1 2 3 4 6 8)",
+        help="with --loop: the draft tokens of the chains (default: 4)",
     )
     demo_parser.add_argument(
         "--max-new-tokens",
@@ -100,17 +108,27 @@ def _add_demo_parser(commands: Any) -> None:
         help="with --loop: tokens to generate per prompt (default: 128)",
     )
     demo_parser.add_argument(
-        "--batch-size",
+        "--batch-sizes",
+        nargs="+",
         type=int,
         choices=[1, 2, 4, 8],
-        default=1,
-        help="with --loop: prompts per call of the loop (default: 1)",
+        default=[1, 8],
+        help="with --loop: prompts per call of the loop (default: 1 8)",
+    )
+    demo_parser.add_argument(
+        "--cache-lengths",
+        nargs="*",
+        type=_positive_int,
+        default=[64, 128, 256, 512],
+        metavar="N",
+        help="with --loop: the new tokens per prompt at which to time the chain "
+        "loop with and without the caches; none to skip (default: 64 128 256 512)",
     )
     demo_parser.add_argument(
         "--repeats",
         type=_positive_int,
-        default=5,
-        help="with --loop: timed runs per batch (median; default: 5)",
+        default=3,
+        help="with --loop: timed runs per batch (median; default: 3)",
     )
 
 
@@ -385,45 +403,65 @@ def _demo() -> int:
     return 0 if all_matched else 1
 
 
-def _demo_loop(
-    num_drafts: Sequence[int], max_new_tokens: int, batch_size: int, repeats: int
-) -> int:
-    from ._demo import PROMPTS, measure_loop
+def _demo_loop(args: argparse.Namespace) -> int:
+    from ._demo import PROMPTS, TREE_PATHS, measure_cache, measure_loop
 
     print(
-        "speculax demo --loop: speculative sampling with two byte-level models "
+        "speculax demo --loop: speculative sampling with two byte-level transformers "
         "trained on the standard library's sources\n"
-        f"{len(PROMPTS)} prompts, {batch_size} per call, {max_new_tokens} new tokens "
-        f"each; wall-clock time is the median of {repeats} runs\n",
+        f"{len(PROMPTS)} prompts, {args.max_new_tokens} new tokens each; chains of "
+        f"G = {args.num_draft}, trees of {len(TREE_PATHS)} nodes; wall-clock time is "
+        f"the median of {args.repeats} runs\n",
         flush=True,
     )
+
+    # Progress on standard error: the tables on standard output come at the end.
+    def progress(line: str) -> None:
+        print(f"speculax demo --loop: {line}", file=sys.stderr, flush=True)
+
     results = measure_loop(
-        sorted(set(num_drafts)),
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        repeats=repeats,
-        # Progress on standard error: the table on standard output comes at the end.
-        progress=lambda line: print(
-            f"speculax demo --loop: {line}", file=sys.stderr, flush=True
-        ),
+        args.verify,
+        batch_sizes=sorted(set(args.batch_sizes)),
+        num_draft=args.num_draft,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        progress=progress,
     )
-    print("   G  acceptance  tokens/call  target calls      time  speedup")
+    cache = measure_cache(
+        args.cache_lengths,
+        num_draft=args.num_draft,
+        repeats=args.repeats,
+        progress=progress,
+    )
+    print(
+        "verification  per call  drafts  tokens/call  target calls      time  speedup"
+    )
     for result in results:
-        acceptance = (
-            "    -" if result.num_draft == 0 else f"{result.acceptance_rate:5.3f}"
-        )
         print(
-            f"{result.num_draft:4d}  {acceptance:>10}  {result.tokens_per_call:11.2f}"
-            f"  {result.target_calls:12d}  {1000 * result.seconds:6.1f} ms"
-            f"  {result.speedup:6.2f}x"
+            f"{result.verification:<12}  {result.batch_size:8d}  {result.drafts:6d}"
+            f"  {result.tokens_per_call:11.2f}  {result.target_calls:12d}"
+            f"  {1000 * result.seconds:6.0f} ms  {result.speedup:6.2f}x"
         )
     best = max(results, key=lambda result: result.speedup)
     print(
-        "\nacceptance: the fraction of draft tokens accepted; tokens/call: a row's "
-        "tokens per target call of that row; target calls: the batched calls.\n"
-        f"G = 0 samples the target alone, one token per call. Fastest: G = "
-        f"{best.num_draft}, {best.speedup:.2f}x.\n\nThe first prompt, "
-        f"{PROMPTS[0]!r}, continued at G = {best.num_draft}:\n"
+        "\ndrafts: the draft tokens of a step (a tree's nodes); tokens/call: a row's "
+        "tokens per target call of that row; target calls: the batched calls; "
+        "speedup: over the target alone at the same batch size.\nFastest: "
+        f"{best.verification}, {best.batch_size} per call, {best.speedup:.2f}x."
+    )
+    if cache:
+        print(
+            "\nThe chain loop, one prompt per call, with and without the models' "
+            "key-value caches (a call then reads the whole buffer):\n"
+            "new tokens  buffer  cached (ms/token)  cacheless (ms/token)  ratio"
+        )
+        for row in cache:
+            print(
+                f"{row.max_new_tokens:10d}  {row.length:6d}  {1000 * row.cached:17.2f}"
+                f"  {1000 * row.cacheless:20.2f}  {row.cacheless / row.cached:5.2f}x"
+            )
+    print(
+        f"\nThe first prompt, {PROMPTS[0]!r}, continued by {best.verification}:\n"
         f"{PROMPTS[0]}{best.sample}"
     )
     return 0

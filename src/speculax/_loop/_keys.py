@@ -11,10 +11,11 @@ from jaxtyping import Array, Int, Key
 
 DRAFT = 0
 """The stream of the key schedule that draws the draft tokens: $G$ uniforms a step,
-draft token $i$ drawn from $q_i$ by inverse CDF with uniform $i$."""
+draft token $i$ drawn from $q_i$ by inverse CDF with uniform $i$ (for a draft tree,
+one per node, node $j$ with uniform $j - 1$)."""
 ACCEPT = 1
 """The stream of the key schedule that draws the acceptance tests' uniforms $u_i$:
-$G$ a step."""
+$G$ a step (for a draft tree, one per node, node $j$'s coin at $j - 1$)."""
 SAMPLE = 2
 """The stream of the key schedule that draws the uniform $s$ of the correction or
 bonus token: one a step, at position 0."""

@@ -31,10 +31,10 @@ from ._tree_round import tree_round
 
 @final
 class SpeculativeLoop(eqx.Module):
-    """Speculative sampling: the draft model proposes $G$ tokens, the target model
-    scores them in one call, a verification step keeps some and draws one more, and
-    the row's history grows by those tokens; repeated until each row has $N$ new
-    tokens or has emitted the end token.
+    """Speculative sampling: the draft model proposes $G$ tokens (or a tree of
+    them), the target model scores them in one call, a verification step keeps some
+    and draws one more, and the row's history grows by those tokens; repeated until
+    each row has $N$ new tokens or has emitted the end token.
 
     Under `jit` throughout, as one `lax.while_loop` with fixed shapes: rows finish
     at different steps, and a finished row keeps its tokens while the others go on.
@@ -48,12 +48,19 @@ class SpeculativeLoop(eqx.Module):
     [`speculax.probs_from_logits`][] defines them, and the tokens are distributed as
     if sampled from the target under them.
 
+    With a `draft_tree`, the draft model fills a [`speculax.DraftTree`][] level by
+    level, the target scores every node in one call with the ancestor mask, a tree
+    step verifies it, and the accepted path's cache entries are moved to where the
+    next round reads them; lossless when the tree step's sibling rule matches the
+    tree's drafting.
+
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each
-    model's cache and reads no slot of a rejected draft, so that a call costs the
-    new tokens, not the history. A plain [`speculax.LanguageModel`][], which reads
-    the whole history at every call, is wrapped in [`speculax.Cacheless`][]; for the
-    same keys the tokens are the same either way.
+    model's cache (the tree's $N + 1$) and reads no slot of a rejected draft, so
+    that a call costs the new tokens, not the history. A plain
+    [`speculax.LanguageModel`][], which reads the whole history at every call, is
+    wrapped in [`speculax.Cacheless`][]; for the same keys the tokens are the same
+    either way.
 
     The rows are computed in JAX's default float dtype (float32, float64 under
     x64), or in the logits' dtype if it is wider: never in half precision. The rows
@@ -68,17 +75,22 @@ class SpeculativeLoop(eqx.Module):
 
     The constructor takes, keyword only:
 
-    - `num_draft`: $G$, the number of draft tokens per step, a non-negative static
-        integer. $G = 0$ samples the target alone, one token per call.
     - `max_new_tokens`: $N$, the number of tokens to generate per row, a positive
         static integer.
-    - `step`: the verification step: a [`speculax.SpeculativeStep`][] (the
-        default one, [`speculax.greedy_step`][], [`speculax.block_step`][], or any
-        composition of pieces), given the rows $q_i$ and $p_i$; or a
+    - `num_draft`: $G$, the number of draft tokens per step of a chain, a
+        non-negative static integer. $G = 0$ samples the target alone, one token
+        per call.
+    - `draft_tree`: a [`speculax.DraftTree`][] to draft instead of a chain. Exactly
+        one of `num_draft` and `draft_tree` is given.
+    - `step`: the verification step. For a chain: a [`speculax.SpeculativeStep`][]
+        (the default one, [`speculax.greedy_step`][], [`speculax.block_step`][], or
+        any composition of pieces), given the rows $q_i$ and $p_i$; or a
         [`speculax.LogitsStep`][], given both models' logits and the rows'
-        parameters, which makes no `(B, G + 1, V)` array of probabilities. A
-        [`speculax.TreeStep`][] or a [`speculax.TraversalStep`][] raises a
-        `TypeError`: the loop drafts a chain. It must check values and raise
+        parameters, which makes no `(B, G + 1, V)` array of probabilities. For a
+        tree: a [`speculax.TreeStep`][] or a [`speculax.TraversalStep`][], given
+        the rows each node's children were drawn from (none for `"top-k"`
+        drafting) and the target's rows under the row's parameters. A step of the
+        other kind raises a `TypeError`. It must check values and raise
         (`check_values=True`, `throw=True`, the defaults). Default
         `SpeculativeStep()`.
     - `end_token`: a static token id that ends a row when generated, or `None` (the
@@ -293,7 +305,8 @@ class SpeculativeLoop(eqx.Module):
         **Returns:**
 
         `(draft_uniforms, accept_uniforms, sample_uniforms)` of shapes `(B, G)`,
-        `(B, G)` and `(B,)`: the streams [`speculax.DRAFT`][],
+        `(B, G)` and `(B,)` (`(B, N)`, `(B, N)` and `(B,)` for a tree of $N$
+        nodes, node $j$ reading entry $j - 1$): the streams [`speculax.DRAFT`][],
         [`speculax.ACCEPT`][] and [`speculax.SAMPLE`][].
         """
 
@@ -323,9 +336,10 @@ class SpeculativeLoop(eqx.Module):
         sample_uniforms: Float[Array, " batch"],
     ) -> LoopState:
         """One step on every unfinished row, driven by the given uniforms: draft
-        $G$ tokens one at a time, score them with the target in one call, verify,
-        and append the kept drafts and the drawn token (as many as fit in
-        `max_new_tokens`, cut after the end token).
+        $G$ tokens one at a time (or the tree level by level), score them with the
+        target in one call, verify, and append the kept drafts (the accepted path)
+        and the drawn token (as many as fit in `max_new_tokens`, cut after the end
+        token).
         [`speculax.testing.loop_output_distribution`][] calls it with uniforms of
         its choosing.
 
@@ -334,8 +348,10 @@ class SpeculativeLoop(eqx.Module):
         - `draft_model`, `target_model`: the models `start` was given.
         - `state`: the [`speculax.LoopState`][] before the step.
         - `draft_uniforms`: float `(B, G)`, draft token $i$ drawn from $q_i$ by
-            inverse CDF with uniform $i$.
-        - `accept_uniforms`: float `(B, G)`, the tests' $u_i$.
+            inverse CDF with uniform $i$; for a tree `(B, N)`, node $j$'s with
+            uniform $j - 1$.
+        - `accept_uniforms`: float `(B, G)`, the tests' $u_i$; for a tree
+            `(B, N)`, node $j$'s coin at $j - 1$.
         - `sample_uniforms`: float `(B,)`, the drawn token's $s$.
 
         **Returns:**

@@ -32,7 +32,8 @@ class LoopOutput(TypedDict):
 @final
 class LoopState(eqx.Module):
     """The carry of [`speculax.SpeculativeLoop`][] from one step to the next, for
-    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts.
+    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts (a draft tree's
+    nodes, for a tree).
 
     - `buffer`: int32 `(B, P + N + G + 1)`, each row's prompt and the tokens
         generated so far, its first `length` entries; past them it holds the last

@@ -1,6 +1,6 @@
-"""Two small byte-level language models for demonstrations of speculative decoding:
-a draft and a target, trained on the source of some standard-library modules, with
-their weights shipped in the package.
+"""Two small byte-level transformers with key-value caches for demonstrations of
+speculative decoding: a draft and a target, trained on the source of some
+standard-library modules, with their weights shipped in the package.
 
 **Example:**
 
@@ -11,7 +11,7 @@ from speculax._cli._demo import decode, encode, load_demo_models
 draft, target = load_demo_models()
 tokens = jnp.asarray(encode("def __init__(self"))[None, :]
 positions = jnp.array([[tokens.shape[1] - 1]])
-logits = target(tokens, positions)  # (1, 1, 256)
+logits = target.read(tokens, positions)  # (1, 1, 256)
 print(decode([int(logits[0, 0].argmax())]))
 ```
 """
@@ -25,10 +25,15 @@ from ._corpus import (
 )
 from ._measure import (
     PROMPTS as PROMPTS,
+    TREE_PATHS as TREE_PATHS,
+    VERIFICATIONS as VERIFICATIONS,
+    CacheMeasurement as CacheMeasurement,
     LoopMeasurement as LoopMeasurement,
+    demo_loop as demo_loop,
+    measure_cache as measure_cache,
     measure_loop as measure_loop,
 )
-from ._models import WindowModel as WindowModel
+from ._models import CausalTransformer as CausalTransformer
 from ._shipped import (
     DRAFT_HYPERPARAMETERS as DRAFT_HYPERPARAMETERS,
     TARGET_HYPERPARAMETERS as TARGET_HYPERPARAMETERS,

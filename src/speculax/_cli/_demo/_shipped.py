@@ -6,22 +6,22 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._models import WindowModel
+from ._models import CausalTransformer
 
 
 # The hyperparameters of the shipped weights, which scripts/train_demo_models.py
 # trained: loading builds a model of exactly these shapes.
 DRAFT_HYPERPARAMETERS: dict[str, int] = {
-    "window": 4,
-    "embed_size": 16,
-    "hidden_size": 128,
+    "width": 64,
     "depth": 1,
+    "heads": 2,
+    "window": 128,
 }
 TARGET_HYPERPARAMETERS: dict[str, int] = {
-    "window": 16,
-    "embed_size": 32,
-    "hidden_size": 768,
-    "depth": 2,
+    "width": 192,
+    "depth": 4,
+    "heads": 6,
+    "window": 128,
 }
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DRAFT_WEIGHTS = "draft.eqx"
@@ -30,7 +30,7 @@ TARGET_WEIGHTS = "target.eqx"
 STORAGE_DTYPE = jnp.float16
 
 
-def _as_dtype(model: WindowModel, dtype) -> WindowModel:
+def _as_dtype(model: CausalTransformer, dtype) -> CausalTransformer:
     return jax.tree.map(
         lambda leaf: leaf.astype(dtype) if eqx.is_inexact_array(leaf) else leaf, model
     )
@@ -42,7 +42,7 @@ def _file(path: str | Path | io.BufferedIOBase):
     return cast(str | Path | BinaryIO, path)
 
 
-def save_model(model: WindowModel, path: str | Path | io.BufferedIOBase) -> None:
+def save_model(model: CausalTransformer, path: str | Path | io.BufferedIOBase) -> None:
     """Writes a model's weights, in float16, as `eqx.tree_serialise_leaves` does.
 
     **Arguments:**
@@ -55,13 +55,13 @@ def save_model(model: WindowModel, path: str | Path | io.BufferedIOBase) -> None
 
 def load_model(
     path: str | Path | io.BufferedIOBase, hyperparameters: dict[str, int]
-) -> WindowModel:
+) -> CausalTransformer:
     """Reads the weights `save_model` wrote, back in float32.
 
     **Arguments:**
 
     - `path`: the file, or a binary file object, to read.
-    - `hyperparameters`: the keyword arguments of `WindowModel` (less `key`) that
+    - `hyperparameters`: the keyword arguments of `CausalTransformer` (less `key`) that
         the saved model was built with.
 
     **Returns:**
@@ -69,7 +69,7 @@ def load_model(
     The model, its weights float32.
     """
     skeleton = eqx.filter_eval_shape(
-        lambda: WindowModel(**hyperparameters, key=jax.random.key(0))
+        lambda: CausalTransformer(**hyperparameters, key=jax.random.key(0))
     )
     skeleton = jax.tree.map(
         lambda leaf: (
@@ -83,21 +83,21 @@ def load_model(
     return _as_dtype(eqx.tree_deserialise_leaves(_file(path), skeleton), jnp.float32)
 
 
-def _load_shipped(name: str, hyperparameters: dict[str, int]) -> WindowModel:
+def _load_shipped(name: str, hyperparameters: dict[str, int]) -> CausalTransformer:
     return load_model(WEIGHTS_DIR / name, hyperparameters)
 
 
-def load_demo_models() -> tuple[WindowModel, WindowModel]:
+def load_demo_models() -> tuple[CausalTransformer, CausalTransformer]:
     """The demo's draft and target models, with the weights shipped in the package.
 
-    Both are `WindowModel`s trained by `scripts/train_demo_models.py` on the
-    source of some standard-library modules (`corpus`): the draft reads the
-    last 4 bytes (embeddings of 16, one hidden layer of 128), the target the last 16
-    (embeddings of 32, two hidden layers of 768).
+    Both are `CausalTransformer`s with a key-value cache, trained by
+    `scripts/train_demo_models.py` on the source of some standard-library modules
+    (`corpus`): the draft has one block of width 64 (2 heads), the target four of
+    width 192 (6 heads), each attending to the last 128 tokens.
 
     **Returns:**
 
-    A tuple `(draft, target)` of `WindowModel`s, their weights float32.
+    A tuple `(draft, target)` of `CausalTransformer`s, their weights float32.
     """
     return (
         _load_shipped(DRAFT_WEIGHTS, DRAFT_HYPERPARAMETERS),

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Integer, PRNGKeyArray, PyTree
 
-from ._models import WindowModel
+from ._models import CausalTransformer
 
 
 def sequence_loss(
-    model: WindowModel, rows: Int[Array, "batch length"]
+    model: CausalTransformer, rows: Int[Array, "batch length"]
 ) -> Float[Array, ""]:
     """The mean cross entropy, in nats, of every next token of some rows of tokens.
 
@@ -25,61 +25,54 @@ def sequence_loss(
 
     A float32 scalar, the mean over the $B (L - 1)$ predictions.
     """
-    batch, length = rows.shape
-    positions = jnp.broadcast_to(
-        jnp.arange(length - 1, dtype=jnp.int32), (batch, length - 1)
-    )
-    logits = model(rows, positions)
+    logits = model.read_all(rows[:, :-1])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, rows[:, 1:, None], axis=-1)
     return -jnp.mean(picked)
 
 
 def held_out_loss(
-    model: WindowModel,
+    model: CausalTransformer,
     tokens: Integer[np.ndarray, " size"],
     *,
-    chunk: int = 4096,
+    length: int = 256,
+    rows_per_call: int = 16,
 ) -> float:
     """The loss of a model on a text, in nats per byte: the mean cross entropy of
-    every byte after the first, each given all the bytes before it.
+    every byte after the first of each chunk of `length` bytes, given the bytes
+    before it in its chunk.
 
     **Arguments:**
 
     - `model`: the model.
-    - `tokens`: integer `(size,)` with `size >= 2`, byte tokens in `[0, 256)`.
-    - `chunk`: keyword only, how many positions one call of the model reads.
+    - `tokens`: integer `(size,)` with `size >= length`, byte tokens in
+        `[0, 256)`; the bytes past the last whole chunk are left out.
+    - `length`: keyword only, the bytes of a chunk, at least 2.
+    - `rows_per_call`: keyword only, how many chunks one call of the model reads.
 
     **Returns:**
 
-    The mean over the `size - 1` predictions, a Python float.
+    The mean over the predictions, a Python float.
     """
-    if len(tokens) < 2:
-        raise ValueError(f"tokens must hold at least two tokens; got {len(tokens)}")
-    buffer = jnp.asarray(tokens, dtype=jnp.int32)[None, :]
-    count = len(tokens) - 1
-    chunk = min(chunk, count)
+    if length < 2 or len(tokens) < length:
+        raise ValueError(
+            f"length must be at least 2 and tokens hold at least length = {length} "
+            f"tokens; got {len(tokens)}"
+        )
+    count = len(tokens) // length
+    rows = np.asarray(tokens[: count * length], np.int32).reshape(count, length)
     total = 0.0
-    for start in range(0, count, chunk):
-        total += float(_chunk_loss(model, buffer, jnp.int32(start), chunk))
-    return total / count
+    for start in range(0, count, rows_per_call):
+        chunk = rows[start : start + rows_per_call]
+        total += float(_summed_loss(model, jnp.asarray(chunk)))
+    return total / (count * (length - 1))
 
 
 @eqx.filter_jit
-def _chunk_loss(
-    model: WindowModel, buffer: Int[Array, "1 size"], start: Int[Array, ""], chunk: int
+def _summed_loss(
+    model: CausalTransformer, rows: Int[Array, "batch length"]
 ) -> Float[Array, ""]:
-    # The summed loss of the predictions at positions start, ..., start + chunk - 1,
-    # those past the last prediction left out.
-    count = buffer.shape[1] - 1
-    positions = start + jnp.arange(chunk, dtype=jnp.int32)
-    valid = positions < count
-    positions = jnp.where(valid, positions, 0)
-    logits = model(buffer, positions[None, :])[0]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    targets = buffer[0, positions + 1]
-    picked = jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
-    return -jnp.sum(jnp.where(valid, picked, 0.0))
+    return sequence_loss(model, rows) * rows.shape[0] * (rows.shape[1] - 1)
 
 
 def _learning_rate(
@@ -93,7 +86,7 @@ def _learning_rate(
 
 
 def train(
-    model: WindowModel,
+    model: CausalTransformer,
     tokens: Integer[np.ndarray, " size"],
     *,
     steps: int,
@@ -103,7 +96,7 @@ def train(
     learning_rate: int | float = 1e-2,
     steps_per_call: int = 50,
     callback: Callable[[int, float], None] | None = None,
-) -> tuple[WindowModel, Float[np.ndarray, " steps"]]:
+) -> tuple[CausalTransformer, Float[np.ndarray, " steps"]]:
     """Trains a model with Adam on random rows of a text.
 
     Each step draws `batch_size` rows of `length + 1` consecutive tokens, at
