@@ -119,10 +119,10 @@ def _add_demo_parser(commands: Any) -> None:
         "--cache-lengths",
         nargs="*",
         type=_positive_int,
-        default=[64, 128, 256, 512],
+        default=[64, 128, 256],
         metavar="N",
         help="with --loop: the new tokens per prompt at which to time the chain "
-        "loop with and without the caches; none to skip (default: 64 128 256 512)",
+        "loop with and without the caches; none to skip (default: 64 128 256)",
     )
     demo_parser.add_argument(
         "--repeats",
