@@ -42,12 +42,21 @@ def adversarial_row(seed: int, vocab: int, num_draft: int):
     return q, p
 
 
-# Each shape and kind of zeros once in the default tier; a second seed of each in the
+# Each number of drafts with every kind of zeros at V = 3, and without zeros at
+# V = 2 and 5, in the default tier; the other sizes and a second seed of each in the
 # extended tier.
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("zeros", ["none", "draft", "target", "both", "adversarial"])
-@pytest.mark.parametrize("num_draft", [0, 1, 2, 3])
-@pytest.mark.parametrize("vocab", [2, 3, 5])
+@pytest.mark.parametrize(
+    ("vocab", "num_draft", "zeros", "seed"),
+    [
+        (vocab, num_draft, zeros, seed)
+        if seed == 0 and (vocab == 3 or zeros == "none")
+        else pytest.param(vocab, num_draft, zeros, seed, marks=pytest.mark.slow)
+        for vocab in (2, 3, 5)
+        for num_draft in (0, 1, 2, 3)
+        for zeros in ("none", "draft", "target", "both", "adversarial")
+        for seed in (0, 1)
+    ],
+)
 def test_lossless_by_exact_enumeration(vocab, num_draft, zeros, seed):
     if zeros == "adversarial":
         q, p = adversarial_row(seed, vocab, num_draft)

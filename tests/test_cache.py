@@ -80,20 +80,6 @@ def bit_for_bit_loop(num_draft: int) -> speculax.SpeculativeLoop:
     return speculax.SpeculativeLoop(num_draft=num_draft, max_new_tokens=12, end_token=3)
 
 
-@pytest.mark.parametrize(
-    ("num_draft", "which"),
-    [
-        (3, "both"),
-        # Fewer drafts, and one model with a cache beside one without: the
-        # extended tier.
-        *(
-            pytest.param(num_draft, which, marks=pytest.mark.slow)
-            for num_draft in (0, 1, 3)
-            for which in ("both", "target", "draft")
-            if (num_draft, which) != (3, "both")
-        ),
-    ],
-)
 def cached_equals_cacheless(
     loop: speculax.SpeculativeLoop, which: str, seed: int
 ) -> dict[str, np.ndarray]:
@@ -119,6 +105,20 @@ def cached_equals_cacheless(
     return {name: np.asarray(value) for name, value in out.items()}
 
 
+@pytest.mark.parametrize(
+    ("num_draft", "which"),
+    [
+        (3, "both"),
+        # Fewer drafts, and one model with a cache beside one without: the
+        # extended tier.
+        *(
+            pytest.param(num_draft, which, marks=pytest.mark.slow)
+            for num_draft in (0, 1, 3)
+            for which in ("both", "target", "draft")
+            if (num_draft, which) != (3, "both")
+        ),
+    ],
+)
 def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
     out = cached_equals_cacheless(bit_for_bit_loop(num_draft), which, num_draft)
     # Not vacuous: rows of every length, with drafts rejected and kept.
@@ -356,6 +356,7 @@ def test_exact_test_refuses_a_faulty_cache_in_a_tree_loop(faulty):
         )
 
 
+@pytest.mark.slow
 def test_exact_test_refuses_a_loop_that_keeps_the_wrong_path(monkeypatch):
     # Without the accepted path's entries moved, the slots after the root hold the
     # tree's first nodes: the next round would read them as its history.

@@ -155,6 +155,7 @@ def test_held_out_loss_is_the_mean_of_every_prediction():
         np.testing.assert_allclose(loss, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_short_training_run_lowers_the_loss(text):
     train_tokens, held_out = text
     model = CausalTransformer(**TINY, key=jax.random.key(0))

@@ -89,7 +89,7 @@ def test_fence_parser():
 
 # The pages whose code takes longest (a loop, logits at scale, the guide's tour) run
 # in the extended tier.
-SLOW_PAGES = {"loop.md", "from_logits.md", "guide.md", "performance.md"}
+SLOW_PAGES = {"loop.md", "from_logits.md", "guide.md", "performance.md", "sharding.md"}
 
 
 @pytest.mark.parametrize(

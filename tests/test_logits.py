@@ -203,6 +203,7 @@ def test_a_row_never_sees_the_other_rows():
         )
 
 
+@pytest.mark.slow
 def test_the_row_statistics_do_not_depend_on_the_neighbouring_row():
     """The rows are processed two at a time on CPU: a row's largest logit, threshold
     and normaliser are bit for bit the same beside a truncated or an untruncated
@@ -228,6 +229,7 @@ def test_the_row_statistics_do_not_depend_on_the_neighbouring_row():
         )
 
 
+@pytest.mark.slow
 def test_a_row_has_the_same_statistics_in_every_set_of_groups_searched():
     """A row searched among 128 groups (its chunk's neighbour needs few), among 512
     (the neighbour needs more than 128) and whole: the same threshold and
@@ -333,7 +335,9 @@ def test_per_row_parameters_are_each_row_alone(dtype):
         np.testing.assert_array_equal(probs[b], alone)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in range(1, 4))]
+)
 def test_truncation_without_sorting_is_truncation_by_sorting(seed):
     """The same kept tokens as the NumPy definition by sorting, ties and -inf
     included, and the same probabilities."""

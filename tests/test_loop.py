@@ -116,7 +116,7 @@ class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
         pytest.param(4, 1, 2, 4, 1, speculax.SpeculativeStep(), marks=SLOW),
         pytest.param(3, 1, 3, 4, 1, speculax.SpeculativeStep(), marks=SLOW),
         pytest.param(5, 1, 1, 4, None, speculax.SpeculativeStep(), marks=SLOW),
-        (3, 2, 0, 4, None, speculax.SpeculativeStep()),
+        pytest.param(3, 2, 0, 4, None, speculax.SpeculativeStep(), marks=SLOW),
         pytest.param(3, 1, 2, 5, 0, speculax.block_step(), marks=SLOW),
     ],
     ids=[
@@ -151,6 +151,8 @@ def test_loop_is_lossless_exactly(
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1, 0]) < 1e-12
 
 
+# The default tier samples half-precision logits with the jitted loop below.
+@SLOW
 @HALF_PRECISION
 def test_loop_is_lossless_exactly_with_half_precision_logits(dtype):
     draft, target = close_pair(dtype)
@@ -270,7 +272,10 @@ def pooled(observed, expected) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize(
     ("keys", "lossless"),
-    [(speculax.FoldInKeys(), True), (DraftNoiseIsAcceptNoise(), False)],
+    [
+        (speculax.FoldInKeys(), True),
+        pytest.param(DraftNoiseIsAcceptNoise(), False, marks=SLOW),
+    ],
     ids=["default keys", "draft noise reused"],
 )
 def test_jitted_loop_samples_the_target(keys, lossless):

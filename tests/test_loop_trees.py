@@ -56,9 +56,9 @@ def tree_loop(
     ("drafting", "walk", "parents", "context", "max_new_tokens"),
     [
         ("without replacement", "recursive", SMALL, 1, 4),
-        ("independent", "traversal", SMALL, 1, 4),
-        ("top-k", "recursive", SMALL, 1, 4),
         # Every other pair, the 2 x 2 tree and a longer context: the extended tier.
+        pytest.param("independent", "traversal", SMALL, 1, 4, marks=SLOW),
+        pytest.param("top-k", "recursive", SMALL, 1, 4, marks=SLOW),
         pytest.param("independent", "recursive", SMALL, 1, 4, marks=SLOW),
         pytest.param("without replacement", "traversal", SMALL, 1, 4, marks=SLOW),
         pytest.param("top-k", "traversal", SMALL, 1, 4, marks=SLOW),
@@ -116,12 +116,13 @@ def test_exact_test_catches_a_drafter_that_fills_the_tree_otherwise(monkeypatch)
 
 
 # The jitted loop on many rows: even rows after the prompt [1, 0], for the
-# chi-square test; odd rows after random prompts of 1 to 3 tokens.
+# chi-square test; odd rows after random prompts of 1 to 3 tokens. The extended
+# tier: the default tier samples the loop with chains (tests/test_loop.py).
 NUM_ROWS = 20_000
 CHI_SQUARE = [
     ("without replacement", "recursive"),
-    pytest.param("independent", "traversal", marks=SLOW),
-    pytest.param("top-k", "recursive", marks=SLOW),
+    ("independent", "traversal"),
+    ("top-k", "recursive"),
 ]
 
 
@@ -141,6 +142,7 @@ def many_rows(drafting: str, walk: str, strategy: str) -> dict[str, np.ndarray]:
     return {name: np.asarray(value) for name, value in out.items()}
 
 
+@SLOW
 @pytest.mark.parametrize(("drafting", "walk"), CHI_SQUARE)
 def test_jitted_tree_loop_samples_the_target(drafting, walk):
     _, target = markov_pair(3, 1, seed=11)
@@ -159,6 +161,7 @@ def test_jitted_tree_loop_samples_the_target(drafting, walk):
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
+@SLOW
 @pytest.mark.parametrize(("drafting", "walk"), CHI_SQUARE)
 def test_both_row_strategies_give_the_same_tree_loop(drafting, walk):
     one, every = (

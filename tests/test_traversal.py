@@ -76,6 +76,7 @@ def test_two_numbers_give_the_answers_of_the_rows(dtype):
     assert set(np.asarray(numbers["num_accepted"]).tolist()) == set(range(6))
 
 
+@pytest.mark.slow
 def test_two_numbers_keep_the_digits_of_a_good_draft():
     """With a draft within about 1e-6 of the target, the first rejection at the
     root leaves a mass of about 1e-6, and the root's next target is that excess

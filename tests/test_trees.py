@@ -69,11 +69,13 @@ def _rule(drafting: str):
 @pytest.mark.parametrize(
     "kind, drafting, shape, draft",
     [
-        # Adversarial drafts are the extended tier, but for the recursive step with
-        # independent drafting on the 2x2 tree.
+        # Adversarial drafts and the 2x2 tree's independent drafting are the
+        # extended tier, but for the recursive step with adversarial independent
+        # drafts on the 2x2 tree.
         pytest.param(kind, drafting, shape, draft, marks=pytest.mark.slow)
-        if draft == "adversarial"
-        and (kind, shape, drafting) != ("recursive", "2x2", "independent")
+        if (draft == "adversarial" or (shape, drafting) == ("2x2", "independent"))
+        and (kind, shape, drafting, draft)
+        != ("recursive", "2x2", "independent", "adversarial")
         else (kind, drafting, shape, draft)
         for kind in STEPS
         for drafting in ("independent", "without replacement")
@@ -406,7 +408,9 @@ def _random_tree_inputs(seed, batch):
     }
 
 
-@pytest.mark.parametrize("kind", STEPS)
+@pytest.mark.parametrize(
+    "kind", ["recursive", pytest.param("traversal", marks=pytest.mark.slow)]
+)
 def test_row_alone_equals_row_in_batch(kind):
     inputs = _random_tree_inputs(5, 12)
     run = _jitted(_step(kind))
