@@ -83,7 +83,8 @@ def test_tree_loop_is_lossless_exactly(
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1]) < 1e-12
 
 
-@pytest.mark.parametrize("walk", ["recursive", pytest.param("traversal", marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("walk", ["recursive", "traversal"])
 def test_exact_test_catches_siblings_verified_with_the_wrong_rule(walk):
     # Children drawn without replacement, verified as if drawn independently.
     draft, target = markov_pair(3, 1, seed=0)
