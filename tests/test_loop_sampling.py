@@ -98,7 +98,8 @@ def sampling_tree_loop(drafting: str) -> speculax.SpeculativeLoop:
     )
 
 
-# The default tier proves sampling in the loop on chains, and trees without it.
+# Like the chains' exact tests above, the extended tier; the default tier proves trees
+# in the loop without parameters.
 @pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["without replacement", "independent", "top-k"])
 def test_tree_loop_with_sampling_parameters_is_lossless_exactly(drafting):

@@ -46,7 +46,8 @@ def append_verified(
     **Returns:**
 
     The [`speculax.LoopState`][] after the round. A finished row keeps its history
-    and counts (its buffer past the history takes the round's drafts).
+    and counts (after a chain's round, its buffer past the history holds the
+    round's drafts).
     """
     rows = jnp.arange(buffer.shape[0])
     offsets = jnp.arange(verified.tokens.shape[1])

@@ -75,10 +75,11 @@ def draft_chain(
     inverse CDF with uniform $i$, writing each into the buffer past the row's
     history before the draft model reads it for the next.
 
-    The first call reads the history's last two tokens again (one, for a history of
-    one token), since the draft model has not read the last draft of the round
-    before when all were kept, nor the token drawn after them; each later call reads
-    the draft before.
+    The first call reads two slots from $\\max(\\text{length} - 2, 0)$: the history's
+    last two tokens again, since the draft model has not read the last draft of the
+    round before when all were kept, nor the token drawn after them (for a history
+    of one token, the second slot is padding whose row and cache entry go unused);
+    each later call reads the draft before.
 
     **Arguments:**
 

@@ -142,9 +142,9 @@ def draft_tree(
     a level, made by `draft_sampling` under the row's parameters, and the node's
     children drawn from it (`tree.drafting`), draft node $j$ with uniform $j - 1$.
 
-    The first call reads the history's last two tokens, as for a chain (the root's
-    row); level $d$'s call reads every node of depth $1, \\dots, d$ after the
-    history, each seeing its ancestors.
+    The first call reads two slots from $\\max(\\text{length} - 2, 0)$, as for a
+    chain (the root's row); level $d$'s call reads every node of depth
+    $1, \\dots, d$ after the history, each seeing its ancestors.
 
     **Returns:**
 

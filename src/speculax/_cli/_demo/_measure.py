@@ -131,8 +131,8 @@ class CacheMeasurement(NamedTuple):
     models' key-value caches and without (each call reading the whole buffer).
 
     - `max_new_tokens`: the tokens generated per prompt.
-    - `length`: the buffer's length, the prompts' longest and the new tokens and
-        one step's drafts: what a cacheless call reads.
+    - `length`: the buffer's length, the prompts' longest, the new tokens, one
+        step's drafts and the token drawn after them: what a cacheless call reads.
     - `cached`, `cacheless`: seconds per generated token, over every prompt.
     """
 
