@@ -63,7 +63,7 @@ def tree_loop(
         pytest.param("without replacement", "traversal", SMALL, 1, 4, marks=SLOW),
         pytest.param("top-k", "traversal", SMALL, 1, 4, marks=SLOW),
         *(
-            pytest.param(drafting, walk, TWO_BY_TWO, 1, 3, marks=SLOW)
+            pytest.param(drafting, walk, TWO_BY_TWO, 1, 4, marks=SLOW)
             for drafting in RULES
             for walk in ("recursive", "traversal")
         ),
@@ -76,9 +76,9 @@ def test_tree_loop_is_lossless_exactly(
     draft, target = markov_pair(3, context, seed=len(parents) + context)
     loop = tree_loop(drafting, walk, parents, max_new_tokens)
     distribution = speculax.testing.loop_output_distribution(loop, draft, target, [1])
-    # Not vacuous: several sequences (seven for the 2 x 2 tree's three tokens), some
-    # ended early by the end token.
-    assert len(distribution) > 5
+    # Not vacuous: many sequences (twelve for the 2 x 2 tree, whose Markov pair rules
+    # out some transitions), some ended early by the end token.
+    assert len(distribution) > 10
     assert any(len(tokens) < loop.max_new_tokens for tokens in distribution)
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1]) < 1e-12
 
