@@ -140,6 +140,15 @@ def definitions() -> list[tuple[str, int, int]]:
     return found
 
 
+def test_no_definition_is_longer_than_a_reader_can_hold():
+    too_long = [
+        f"{name}: {lines} lines of code (at most {limit})"
+        for name, lines, limit in definitions()
+        if lines > limit
+    ]
+    assert not too_long, "\n".join(too_long)
+
+
 if __name__ == "__main__":
     for name, lines, _ in sorted(definitions(), key=lambda d: -d[1])[:15]:
         print(f"{lines:4d}  {name}")
