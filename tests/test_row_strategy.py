@@ -9,12 +9,16 @@ its costliest branch; and asserts that the count at B = 32 is the count at B = 4
 """
 
 import functools
+import os
+import pathlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import speculax
 
 
 class Sizes(NamedTuple):
@@ -73,11 +77,16 @@ def _sub_jaxprs(eqn) -> list:
     return found
 
 
+# The library's own source folder, wherever the repository is cloned: a clone named
+# `speculax` puts `/speculax/` in the path of every file of its virtual environment.
+_LIBRARY = str(pathlib.Path(speculax.__file__).resolve().parent) + os.sep
+
+
 def _caller(eqn) -> tuple[str, str] | None:
     """The innermost function of speculax on the stack that made the equation, as
     `(file name, qualified function name)`."""
     for frame in eqn.source_info.traceback.frames:
-        if "/speculax/" in frame.file_name:
+        if str(pathlib.Path(frame.file_name).resolve()).startswith(_LIBRARY):
             return frame.file_name.rsplit("/", 1)[-1], frame.function_name
     return None
 
@@ -146,7 +155,6 @@ def _tree_inputs(batch: int, sizes: Sizes, draft_probs: bool = True) -> dict:
 
 def _steps() -> dict:
     """Each step, with the inputs it is traced on for a batch size."""
-    import speculax
 
     def logits_step(truncated):
         def call(inputs):
