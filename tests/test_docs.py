@@ -130,6 +130,30 @@ def _public_objects() -> list[tuple[str, object]]:
     return found
 
 
+# A control character renders as nothing or breaks a line: a `"\rceil"` written in a
+# string that is not raw became a carriage return and printed "⌈V/256 ceil".
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def test_no_control_characters_in_the_documentation():
+    # Bytes decoded, not `read_text`, which would turn a carriage return into "\n".
+    pages = [*PAGES, ROOT / "CONTRIBUTING.md"]
+    texts = [
+        (str(page.relative_to(ROOT)), page.read_bytes().decode()) for page in pages
+    ]
+    texts += [
+        (f"the docstring of {name}", inspect.getdoc(obj) or "")
+        for name, obj in _public_objects()
+    ]
+    found = [
+        f"{where}, line {text.count(chr(10), 0, match.start()) + 1}: {match.group()!r}"
+        for where, text in texts
+        for match in _CONTROL.finditer(text)
+    ]
+    assert found == []
+    assert _CONTROL.search("$\\lceil V/256 \rceil$") is not None
+
+
 @pytest.mark.slow
 def test_docstring_code_runs():
     ran = 0
