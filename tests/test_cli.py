@@ -234,6 +234,8 @@ def test_run_rejects_a_seed_beside_uniforms(tmp_path, capsys):
         (["--verify", "greedy"], "invalid choice: 'greedy'"),
         (["--batch-sizes", "3"], "invalid choice: 3"),
         (["--cache-lengths", "0"], "must be a positive integer"),
+        (["--cache-lengths", "none", "64"], "none stands alone"),
+        (["--cache-lengths"], "expected at least one argument"),
     ],
 )
 def test_demo_loop_rejects_bad_arguments(arguments, message, capsys):
@@ -241,6 +243,16 @@ def test_demo_loop_rejects_bad_arguments(arguments, message, capsys):
         _main(["demo", "--loop", *arguments], capsys)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_loop_skips_the_cache_table_on_none(monkeypatch):
+    import speculax._cli._command as command
+
+    seen = []
+    monkeypatch.setattr(command, "_demo_loop", lambda args: seen.append(args) or 0)
+    assert command.main(["demo", "--loop", "--cache-lengths", "none"]) == 0
+    assert command.main(["demo", "--loop", "--cache-lengths", "8", "16"]) == 0
+    assert [args.cache_lengths for args in seen] == [[], [8, 16]]
 
 
 def _run_text(data: bytes, tmp_path, capsys) -> tuple[int, str, str]:

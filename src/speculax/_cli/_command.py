@@ -34,8 +34,13 @@ class InputError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `speculax` command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
+        if None in args.cache_lengths:
+            if len(args.cache_lengths) > 1:
+                parser.error("--cache-lengths: none stands alone, without lengths")
+            args.cache_lengths = []
         if args.loop:
             return _demo_loop(args)
         return _demo()
@@ -117,12 +122,13 @@ def _add_demo_parser(commands: Any) -> None:
     )
     demo_parser.add_argument(
         "--cache-lengths",
-        nargs="*",
-        type=_positive_int,
+        nargs="+",
+        type=_positive_int_or_none,
         default=[64, 128, 256],
         metavar="N",
         help="with --loop: the new tokens per prompt at which to time the chain "
-        "loop with and without the caches; none to skip (default: 64 128 256)",
+        "loop with and without the caches, or the word none to skip the table "
+        "(default: 64 128 256)",
     )
     demo_parser.add_argument(
         "--repeats",
@@ -195,6 +201,11 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
     return value
+
+
+def _positive_int_or_none(text: str) -> int | None:
+    """A positive integer, or `None` for the word `none`."""
+    return None if text == "none" else _positive_int(text)
 
 
 def _run(path: str | None) -> str:
