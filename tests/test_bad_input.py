@@ -791,7 +791,9 @@ def _integer_entries() -> dict[str, IntegerEntry]:
     def rank_error(v):
         if v < 0:
             return ValueError, r"paths\[1\] must be non-empty and non-negative"
-        return (ValueError, "repeats the path") if v == 0 else None
+        if v == 0:
+            return ValueError, "repeats the path"
+        return (ValueError, "not the next rank") if v > 1 else None
 
     entries = [
         IntegerEntry(
@@ -833,8 +835,6 @@ def _integer_entries() -> dict[str, IntegerEntry]:
             lambda ranks: speculax.parents_from_paths([(0,), (ranks[0],)]),
             (),
             rank_error,
-            # Ranks only order siblings: any rank after 0 gives the same tree.
-            lambda v: 1,
         ),
         IntegerEntry(
             "prompt_lengths",

@@ -539,9 +539,12 @@ def test_parents_from_vllm_paths():
     assert speculax.parents_from_paths(paths).tolist() == [0, 0, 1, 1, 2, 3]
     for bad, message in [
         ([(0, 0), (0,)], "before its parent"),
-        ([(1,), (0,)], "sibling of higher rank"),
+        ([(1,), (0,)], r"not the next rank: .* have ranks 0 to -1"),
         ([(0,), (0,)], "repeats"),
         ([()], "non-empty"),
+        ([(0,), (2,)], r"\(2,\) is not the next rank: .* have ranks 0 to 0"),
+        ([(0,), (0, 1)], "not the next rank"),
+        ([], "at least one path"),
     ]:
         with pytest.raises(ValueError, match=message):
             speculax.parents_from_paths(bad)

@@ -35,8 +35,8 @@ def parents_from_paths(
     **Raises:**
 
     `TypeError` for a rank that is not an integer (a float or a bool); `ValueError`
-    for an empty, repeated or negative path, a path before its parent, or siblings
-    out of rank order.
+    for no paths, an empty, repeated or negative path, a path before its parent,
+    or siblings that do not hold the ranks $0, 1, \dots$ in turn.
 
     **Example:**
 
@@ -47,6 +47,8 @@ def parents_from_paths(
     assert parents.tolist() == [0, 0, 1, 1]
     ```
     """
+    if len(paths) == 0:
+        raise ValueError("paths must hold at least one path, a tree of draft nodes")
     node_of: dict[tuple[int, ...], int] = {(): 0}
     last_rank: dict[tuple[int, ...], int] = {}
     parents = []
@@ -66,9 +68,13 @@ def parents_from_paths(
             raise ValueError(
                 f"paths[{j - 1}] = {path} comes before its parent {parent}"
             )
-        if path[-1] <= last_rank.get(parent, -1):
+        # A rank is which of the parent's candidates the node holds (its k-th most
+        # likely token for top-k drafts): a gap renumbered would change the tree.
+        if path[-1] != last_rank.get(parent, -1) + 1:
             raise ValueError(
-                f"paths[{j - 1}] = {path} comes after a sibling of higher rank"
+                f"paths[{j - 1}] = {path} is not the next rank: siblings come in "
+                f"the order of their ranks 0, 1, ..., and those before it have "
+                f"ranks 0 to {last_rank.get(parent, -1)}"
             )
         last_rank[parent] = path[-1]
         node_of[path] = j
