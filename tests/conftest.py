@@ -45,3 +45,17 @@ def row_access(request):
 
     with speculax.row_strategy(request.param):
         yield request.param
+
+
+@pytest.fixture
+def without_runtime_type_checks():
+    """Runtime type checking off for the test: what a caller without it sees, such
+    as the library's own error for an argument of the wrong type, which the checker
+    otherwise reports first."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

@@ -658,6 +658,15 @@ def test_a_top_k_int32_cannot_hold_keeps_all_in_both_entry_points(x64):
         ({"top_k": 2.0}, TypeError, "top_k must have an integer dtype"),
         ({"top_k": True}, TypeError, "top_k must have an integer dtype; got bool"),
         ({"top_p": jnp.ones(2, jnp.int32)}, TypeError, "top_p must have a floating"),
+        # Neither read as 1 nor 0, nor failing inside JAX without the name.
+        ({"temperature": False}, TypeError, "temperature must be a number; got F"),
+        ({"top_p": True}, TypeError, "top_p must be a number; got True"),
+        ({"temperature": np.True_}, TypeError, "temperature must be a number"),
+        ({"temperature": jnp.ones(2, bool)}, TypeError, "temperature must have a fl"),
+        # Not an ArrayLike: runtime type checking names the parameter first, and
+        # the library's own message is tested below.
+        ({"temperature": "1"}, TypeError, "parameter 'temperature'"),
+        ({"top_p": [0.5, None]}, TypeError, "parameter 'top_p'"),
     ],
 )
 def test_parameters_of_the_wrong_value_or_structure_raise_at_once(
@@ -673,6 +682,22 @@ def test_parameters_of_the_wrong_value_or_structure_raise_at_once(
             **keywords,
         )
     with pytest.raises(error, match=message):
+        speculax.probs_from_logits(logits, **keywords)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"temperature": "1"}, "temperature must be a number; got '1'"),
+        ({"top_p": "0.9"}, "top_p must be a number; got '0.9'"),
+        ({"top_p": [0.5, None]}, "top_p must be a number or an array of numbers"),
+    ],
+)
+def test_parameters_that_are_not_numbers_are_named(
+    keywords, message, without_runtime_type_checks
+):
+    logits = jnp.zeros((2, 2, 5))
+    with pytest.raises(TypeError, match=message):
         speculax.probs_from_logits(logits, **keywords)
 
 

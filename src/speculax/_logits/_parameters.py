@@ -6,6 +6,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._core._failures import RESULTS, Failure
@@ -55,6 +56,8 @@ def sampling_parameters(
     `TypeError`; an array's values are checked at run time
     (`SamplingParameters.failures`).
     """
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        _check_not_bool_or_text(name, value)
     if isinstance(temperature, int | float) and not 0 <= temperature < math.inf:
         raise ValueError(
             f"temperature must be finite and non-negative; got {temperature}"
@@ -72,7 +75,12 @@ def sampling_parameters(
     }
     arrays = {}
     for name, value in values.items():
-        array = jnp.asarray(value)
+        try:
+            array = jnp.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{name} must be a number or an array of numbers; got {value!r}"
+            ) from error
         # A Python int may stand for a float (temperature=1, top_p=1).
         floats = name != "top_k" and not isinstance(value, int | float)
         if floats and not jnp.issubdtype(array.dtype, jnp.floating):
@@ -89,6 +97,18 @@ def sampling_parameters(
     arrays["temperature"] = _without_subnormals(arrays["temperature"])
     arrays["top_p"] = _without_subnormals(arrays["top_p"])
     return SamplingParameters(**arrays)
+
+
+def _check_not_bool_or_text(name: str, value: object) -> None:
+    """Raises `TypeError` for a bool or a string where a float is read: `True`
+    would be read as 1 and `"1"` fail deep inside JAX."""
+    if isinstance(value, bool | np.bool_ | str | bytes):
+        raise TypeError(f"{name} must be a number; got {value!r}")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and not (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    ):
+        raise TypeError(f"{name} must have a floating-point dtype; got {dtype}")
 
 
 def _without_subnormals(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
