@@ -580,6 +580,55 @@ def test_wide_prompt_tokens_are_not_wrapped_under_x64():
             )
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"num_draft": 2},
+        {"draft_tree": speculax.DraftTree((0, 0, 1), drafting="independent")},
+    ],
+    ids=["chain", "tree"],
+)
+def test_end_token_under_x64(shape):
+    """x64 is a documented mode of the loop: the position of the end token, which
+    JAX's argmax gives as int64 there, must not widen the loop's int32 lengths."""
+    draft, target = markov_pair(3, 1, seed=0)
+    step = {} if "num_draft" in shape else {"step": speculax.TreeStep()}
+    loop = speculax.SpeculativeLoop(max_new_tokens=4, end_token=2, **shape, **step)
+    with jax.enable_x64(True):
+        out = loop(draft, target, jnp.zeros((2, 2), jnp.int32), key=jax.random.key(1))
+    assert out["num_tokens"].dtype == jnp.int32
+    for row, count in zip(
+        out["tokens"].tolist(), out["num_tokens"].tolist(), strict=True
+    ):
+        assert 2 not in row[: count - 1], "a row runs on past its end token"
+        assert row[count:] == [-1] * (4 - count)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"temperature": 0.7}, {"top_k": 2}, {"temperature": jnp.array([0.0, 0.5])}],
+    ids=["temperature", "top_k", "array"],
+)
+def test_a_greedy_step_asked_to_sample_is_refused(parameters):
+    """Greedy verification decodes greedily whatever the drafts were sampled under:
+    asked for a temperature, the loop would return greedy decoding silently."""
+    draft, target = markov_pair(3, 1, seed=0)
+    greedy = speculax.SpeculativeLoop(
+        num_draft=2, max_new_tokens=2, step=speculax.greedy_step()
+    )
+    prompt = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"greedy_step.* but the call gives"):
+        greedy(draft, target, prompt, key=jax.random.key(0), **parameters)
+    with pytest.raises(ValueError, match=r"greedy_step.* but the call gives"):
+        greedy.start(draft, target, prompt, jnp.ones((2,), jnp.int32), **parameters)
+    # Greedy parameters are what the step does.
+    greedy(draft, target, prompt, key=jax.random.key(0), temperature=0)
+    lossy = speculax.SpeculativeLoop(
+        num_draft=2, max_new_tokens=2, step=speculax.greedy_step(), allow_lossy=True
+    )
+    lossy(draft, target, prompt, key=jax.random.key(0), **parameters)
+
+
 @functools.cache
 def _fuzz_loop() -> tuple:
     draft, target = markov_pair(3, 1, seed=4)

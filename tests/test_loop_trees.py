@@ -49,6 +49,8 @@ def tree_loop(
         max_new_tokens=max_new_tokens,
         end_token=2,
         step=step,
+        # A rule other than the drafting's: the negative control below.
+        allow_lossy=rule is not None,
     )
 
 
@@ -56,17 +58,13 @@ def tree_loop(
     ("drafting", "walk", "parents", "context", "max_new_tokens"),
     [
         ("without replacement", "recursive", SMALL, 1, 4),
-        # Every other pair, the 2 x 2 tree and a longer context: the extended tier.
+        # The extended tier: each other drafting mode and the other walk once (the
+        # tree steps' own enumerations in test_trees.py pair every walk with every
+        # drafting), the 2 x 2 tree in its most demanding pair (minutes alone) and
+        # a longer context.
         pytest.param("independent", "traversal", SMALL, 1, 4, marks=SLOW),
         pytest.param("top-k", "recursive", SMALL, 1, 4, marks=SLOW),
-        pytest.param("independent", "recursive", SMALL, 1, 4, marks=SLOW),
-        pytest.param("without replacement", "traversal", SMALL, 1, 4, marks=SLOW),
-        pytest.param("top-k", "traversal", SMALL, 1, 4, marks=SLOW),
-        *(
-            pytest.param(drafting, walk, TWO_BY_TWO, 1, 4, marks=SLOW)
-            for drafting in RULES
-            for walk in ("recursive", "traversal")
-        ),
+        pytest.param("without replacement", "traversal", TWO_BY_TWO, 1, 4, marks=SLOW),
         pytest.param("without replacement", "recursive", SMALL, 2, 4, marks=SLOW),
     ],
 )
@@ -222,6 +220,29 @@ def test_a_tree_needs_a_tree_step_and_a_chain_a_chain_step():
             max_new_tokens=2,
             step=speculax.TreeStep(throw=False),
         )
+
+
+@pytest.mark.parametrize(
+    ("drafting", "rule", "expected"),
+    [
+        ("without replacement", speculax.IndependentSiblings(), "SiblingsWithout"),
+        ("independent", speculax.SiblingsWithoutReplacement(), "IndependentSiblings"),
+    ],
+)
+@pytest.mark.parametrize("walk", [speculax.TreeStep, speculax.TraversalStep])
+def test_a_sibling_rule_lossy_for_the_drafting_is_refused(
+    drafting, rule, expected, walk
+):
+    tree = speculax.DraftTree(SMALL, drafting=drafting)
+    step = walk(siblings=rule)
+    with pytest.raises(ValueError, match=f"lossy for that drafting: use {expected}"):
+        speculax.SpeculativeLoop(draft_tree=tree, max_new_tokens=2, step=step)
+    # Opted into, for a negative control; and top-k drafts take either rule.
+    speculax.SpeculativeLoop(
+        draft_tree=tree, max_new_tokens=2, step=step, allow_lossy=True
+    )
+    top_k = speculax.DraftTree(SMALL, drafting="top-k")
+    speculax.SpeculativeLoop(draft_tree=top_k, max_new_tokens=2, step=step)
 
 
 @pytest.mark.parametrize(

@@ -94,5 +94,7 @@ def _appended_count(
     if end_token is not None:
         is_end = (verified.tokens == end_token) & (offsets < count[:, None])
         ended = is_end.any(axis=1)
-        count = jnp.where(ended, jnp.argmax(is_end, axis=1) + 1, count)
+        # argmax is int64 under x64; the loop's carry keeps lengths in int32.
+        first_end = jnp.argmax(is_end, axis=1).astype(count.dtype)
+        count = jnp.where(ended, first_end + 1, count)
     return count, ended

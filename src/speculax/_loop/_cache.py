@@ -106,9 +106,14 @@ class Cacheless(AbstractCachedModel):
 
     - `model`: the [`speculax.LanguageModel`][], a callable
         `(tokens, positions) -> logits`.
+    - `name`: keyword only, how errors name the model (a model whose logits are not
+        of shape `(B, K, V)` for positions of shape `(B, K)`, or not floats, raises
+        a `ValueError` or `TypeError` at trace time). The loop sets it to
+        `"draft_model"` or `"target_model"`. Default `"model"`.
     """
 
     model: LanguageModel
+    name: str = eqx.field(static=True, default="model", kw_only=True)
 
     def init_cache(self, batch: int, max_length: int) -> Int[Array, "batch slots"]:
         return jnp.zeros((batch, max_length), jnp.int32)
@@ -134,15 +139,103 @@ class Cacheless(AbstractCachedModel):
             "position cache_length + (the number of new tokens it sees) - 1, and "
             "seeing, of the new tokens before it, those that the ones it sees see",
         )
+        def scored(tokens: Array, positions: Array) -> Array:
+            logits = self.model(tokens, positions)
+            check_logits(logits, self.name, positions.shape, "(tokens, positions)")
+            return logits
+
         logits = jax.lax.cond(
             is_chain,
-            lambda: self.model(buffer, positions),
-            lambda: self.model(
+            lambda: scored(buffer, positions),
+            lambda: scored(
                 path_buffers(cache, tokens, mask, cache_length),
                 positions.reshape(-1, 1),
             ).reshape(batch, width, -1),
         )
         return logits, buffer
+
+
+@final
+class NamedModel(AbstractCachedModel):
+    """A model as the loop calls it: its own calls, each checked at trace time
+    against the interface of [`speculax.AbstractCachedModel`][] (logits of shape
+    `(B, K, V)` in a float dtype, the cache given back with the structure, shapes
+    and dtypes it came with), with errors that name it."""
+
+    model: AbstractCachedModel
+    name: str = eqx.field(static=True)
+
+    def init_cache(self, batch: int, max_length: int) -> Cache:
+        return self.model.init_cache(batch, max_length)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: PyTree[Shaped[Array, "batch slots ..."]],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[
+        Float[Array, "batch new vocab"], PyTree[Shaped[Array, "batch slots ..."]]
+    ]:
+        returned: Any = self.model(tokens, positions, mask, cache, cache_length)
+        if not isinstance(returned, tuple | list) or len(returned) != 2:
+            raise TypeError(
+                f"{self.name} must return a pair (logits, cache), as "
+                "speculax.AbstractCachedModel.__call__ does; got "
+                f"{_described(returned)}"
+            )
+        logits, new_cache = returned
+        check_logits(logits, self.name, tokens.shape, "(tokens, positions, ...)")
+        _check_cache(new_cache, cache, self.name)
+        return logits, new_cache
+
+
+def check_logits(logits: Any, name: str, shape: tuple[int, ...], call: str) -> None:
+    """Raises unless `logits` are floats of shape `(B, K, V)` for new tokens of
+    `shape` `(B, K)`, naming the model and the call."""
+    got = jnp.shape(logits) if hasattr(logits, "shape") else None
+    if got is None or len(got) != 3 or got[:2] != tuple(shape):
+        raise ValueError(
+            f"{name}{call} must return logits of shape (B, K, V) = ({shape[0]}, "
+            f"{shape[1]}, V), one row per new token; got {_described(logits)}"
+        )
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(
+            f"{name}{call} must return floating-point logits; got dtype {logits.dtype}"
+        )
+
+
+def _check_cache(new: Any, given: Cache, name: str) -> None:
+    """Raises unless the cache a call returned has the structure, shapes and dtypes
+    of the one it was given: the loop carries it from round to round."""
+    if jax.tree.structure(new) != jax.tree.structure(given):
+        raise ValueError(
+            f"{name} must return its cache with the structure it was given, the new "
+            f"entries written into it; got {jax.tree.structure(new)}, given "
+            f"{jax.tree.structure(given)}"
+        )
+    for new_leaf, given_leaf in zip(
+        jax.tree.leaves(new), jax.tree.leaves(given), strict=True
+    ):
+        if (jnp.shape(new_leaf), jnp.result_type(new_leaf)) != (
+            jnp.shape(given_leaf),
+            jnp.result_type(given_leaf),
+        ):
+            raise ValueError(
+                f"{name} must return its cache with the shapes and dtypes it was "
+                f"given; got an array {_described(new_leaf)} for one "
+                f"{_described(given_leaf)}"
+            )
+
+
+def _described(value: Any) -> str:
+    """A value as an error message shows it: an array by its shape and dtype."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _reads_paths(
@@ -191,14 +284,19 @@ def path_buffers(
     return paths.reshape(-1, history.shape[1])
 
 
-def as_cached_model(model: Any, name: str) -> AbstractCachedModel:
-    """`model` itself if it has a cache, else a callable wrapped in
-    [`speculax.Cacheless`][]; a `TypeError` naming the argument otherwise."""
+def as_cached_model(model: Any, name: str) -> NamedModel:
+    """`model` as a `NamedModel` called `name`: a model with a cache as it is, a
+    callable wrapped in [`speculax.Cacheless`][]; a `TypeError` naming the argument
+    otherwise."""
+    if isinstance(model, NamedModel):
+        model = model.model
+    if isinstance(model, Cacheless):
+        model = Cacheless(model.model, name=name)
     if isinstance(model, AbstractCachedModel):
-        return model
+        return NamedModel(model, name)
     if callable(model):
         # Runtime checks cannot see a callable's signature: the call is its test.
-        return Cacheless(cast(LanguageModel, model))
+        return NamedModel(Cacheless(cast(LanguageModel, model), name=name), name)
     raise TypeError(
         f"{name} must be a speculax.AbstractCachedModel or a callable "
         f"(tokens, positions) -> logits; got a {type(model).__name__}"

@@ -5,6 +5,7 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key
 
 from .._chain._step import SpeculativeStep
@@ -13,7 +14,9 @@ from .._core._numerics import as_index, index_array
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
 from .._logits._step import LogitsStep
+from .._pieces._acceptance import GreedyAcceptance
 from .._tree._abstract import AbstractTreeStep
+from .._tree._siblings import IndependentSiblings, SiblingsWithoutReplacement
 from ._cache import AbstractCachedModel, as_cached_model, empty_cache, read_history
 from ._chain_round import chain_round
 from ._draft_tree import DraftTree
@@ -102,6 +105,15 @@ class SpeculativeLoop(eqx.Module):
         rows $q_i$ the drafts are drawn from; default [`speculax.SameAsTarget`][],
         the draft model's logits under the row's parameters, the only one that is
         lossless with a [`speculax.LogitsStep`][].
+    - `allow_lossy`: whether to run a composition the loop knows to be lossy,
+        which it otherwise refuses with a `ValueError` that gives the reason: a
+        tree step whose sibling rule is not the one of the tree's drafting
+        ([`speculax.IndependentSiblings`][] for `"independent"`,
+        [`speculax.SiblingsWithoutReplacement`][] for `"without replacement"`), or
+        a greedy step ([`speculax.greedy_step`][]) called with sampling parameters
+        other than a temperature of 0 given as a number (it decodes greedily,
+        whatever the drafts were sampled under). For negative controls. Default
+        `False`.
 
     **Example:**
 
@@ -135,14 +147,23 @@ class SpeculativeLoop(eqx.Module):
     draft_sampling: AbstractDraftSampling = eqx.field(
         default=SameAsTarget(), kw_only=True
     )
+    allow_lossy: bool = eqx.field(static=True, default=False, kw_only=True)
 
     def __check_init__(self):
+        if self.draft_tree is not None and not isinstance(self.draft_tree, DraftTree):
+            raise TypeError(
+                "draft_tree must be a speculax.DraftTree, such as "
+                'DraftTree(parents, drafting="independent"); got a '
+                f"{type(self.draft_tree).__name__}"
+            )
         if (self.num_draft is None) == (self.draft_tree is None):
             raise ValueError(
                 "give the loop exactly one of num_draft (a chain of G drafts) and "
                 "draft_tree (a speculax.DraftTree)"
             )
         _check_step(self.step, self.draft_tree)
+        if not self.allow_lossy:
+            _check_sibling_rule(self.step, self.draft_tree)
         if self.num_draft is not None:
             check_static_int("num_draft", self.num_draft, minimum=0)
         check_static_int("max_new_tokens", self.max_new_tokens, minimum=1)
@@ -209,6 +230,8 @@ class SpeculativeLoop(eqx.Module):
         prompt length outside `[1, P]` or a value the step's checks reject.
         """
         prompt, prompt_lengths = _index_inputs(prompt, prompt_lengths)
+        if not self.allow_lossy:
+            _check_greedy_parameters(self.step, temperature, top_k, top_p)
         parameters = row_parameters(
             temperature,
             top_k,
@@ -256,38 +279,22 @@ class SpeculativeLoop(eqx.Module):
         `max_new_tokens` tokens and the drafts of one step beyond, and whose caches
         have a slot for each entry of the buffer.
         """
-        draft_model = as_cached_model(draft_model, "draft_model")
-        target_model = as_cached_model(target_model, "target_model")
-        batch = prompt.shape[0]
-        padding = jnp.zeros(
-            (batch, self.max_new_tokens + self.num_nodes + 1), jnp.int32
-        )
-        buffer = jnp.concatenate([prompt, padding], axis=1)
-        slots = buffer.shape[1]
-        if self.num_nodes:
-            _, draft_cache = read_history(draft_model, prompt, slots, "draft_model")
-        else:
-            draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
+        if not self.allow_lossy:
+            _check_greedy_parameters(self.step, temperature, top_k, top_p)
         parameters = row_parameters(
             temperature,
             top_k,
             top_p,
-            batch,
+            prompt.shape[0],
             from_logits=isinstance(self.step, LogitsStep),
         )
-        return LoopState(
-            buffer=buffer,
-            prompt_length=prompt_length,
-            length=prompt_length,
-            done=jnp.zeros((batch,), jnp.bool_),
-            num_steps=jnp.zeros((batch,), jnp.int32),
-            num_accepted=jnp.full((batch, self.max_new_tokens), -1, jnp.int32),
-            step=jnp.zeros((), jnp.int32),
-            draft_cache=draft_cache,
-            target_cache=read_history(target_model, prompt, slots, "target_model")[1],
-            temperature=parameters.temperature,
-            top_k=parameters.top_k,
-            top_p=parameters.top_p,
+        return _initial_state(
+            self,
+            as_cached_model(draft_model, "draft_model"),
+            as_cached_model(target_model, "target_model"),
+            prompt,
+            prompt_length,
+            parameters,
         )
 
     def uniforms(
@@ -447,6 +454,74 @@ def _check_step(
         )
 
 
+def _check_same_vocabulary(draft: int, target: int) -> None:
+    """Raises unless the draft and the target model score the same vocabulary."""
+    if draft != target:
+        raise ValueError(
+            f"draft_model and target_model must score the same vocabulary: "
+            f"draft_model gives logits over V = {draft} tokens, target_model over "
+            f"V = {target}"
+        )
+
+
+def _check_sibling_rule(
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep, tree: DraftTree | None
+) -> None:
+    """Raises if the tree step's sibling rule is one of the library's and not the
+    one of the tree's drafting: the loop would be lossy."""
+    if (
+        tree is None
+        or tree.drafting == "top-k"
+        or not isinstance(step, AbstractTreeStep)
+    ):
+        return
+    matching = {
+        "independent": IndependentSiblings,
+        "without replacement": SiblingsWithoutReplacement,
+    }
+    rule = type(step.siblings)
+    expected = matching[tree.drafting]
+    if rule in matching.values() and rule is not expected:
+        raise ValueError(
+            f"the draft tree's children are drawn {tree.drafting!r}, but the step "
+            f"verifies them with {rule.__name__}, which is lossy for that drafting: "
+            f"use {expected.__name__}() (or allow_lossy=True, for a negative "
+            "control)"
+        )
+
+
+def _check_greedy_parameters(
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep,
+    temperature: ArrayLike | None,
+    top_k: ArrayLike | None,
+    top_p: ArrayLike | None,
+) -> None:
+    """Raises if a greedy step is asked to sample under parameters: it decodes
+    greedily whatever the drafts are drawn under, so the tokens would not follow
+    the law the parameters ask for."""
+    if not isinstance(step, SpeculativeStep) or not isinstance(
+        step.acceptance, GreedyAcceptance
+    ):
+        return
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    asked = [name for name, value in given.items() if value is not None]
+    if not asked or _is_number_zero(temperature):
+        return
+    raise ValueError(
+        f"the step is greedy (greedy_step()) but the call gives {', '.join(asked)}: "
+        "it would decode greedily, not sample under them. Pass temperature=0 for "
+        "greedy decoding, use a LogitsStep, which is greedy exactly in the rows of "
+        "temperature 0, or allow_lossy=True for a negative control"
+    )
+
+
+def _is_number_zero(value: ArrayLike | None) -> bool:
+    """Whether `value` is known now, not traced, to be 0 in every row."""
+    if value is None or isinstance(value, jax.core.Tracer):
+        return False
+    return bool(np.all(np.asarray(value) == 0))
+
+
 def _index_inputs(
     prompt: InputArray, prompt_lengths: InputArray | None
 ) -> tuple[Int[Array, "batch prompt"], Int[Array, " batch"]]:
@@ -512,14 +587,48 @@ def _generate(
             draft_model, target_model, state, *loop.uniforms(row_key, state.step)
         )
 
-    start = loop.start(
-        draft_model,
-        target_model,
-        prompt,
-        prompt_length,
+    start = _initial_state(
+        loop, draft_model, target_model, prompt, prompt_length, parameters
+    )
+    final = jax.lax.while_loop(lambda state: ~state.done.all(), body, start)
+    return loop.output(final)
+
+
+def _initial_state(
+    loop: SpeculativeLoop,
+    draft_model: AbstractCachedModel,
+    target_model: AbstractCachedModel,
+    prompt: Int[Array, "batch prompt"],
+    prompt_length: Int[Array, " batch"],
+    parameters: RowParameters,
+) -> LoopState:
+    """[`speculax.SpeculativeLoop.start`][] once its arguments are read: the
+    buffer, each model's cache filled with the prompts, and the parameters."""
+    batch = prompt.shape[0]
+    padding = jnp.zeros((batch, loop.max_new_tokens + loop.num_nodes + 1), jnp.int32)
+    buffer = jnp.concatenate([prompt, padding], axis=1)
+    slots = buffer.shape[1]
+    target_logits, target_cache = read_history(
+        target_model, prompt, slots, "target_model"
+    )
+    if loop.num_nodes:
+        draft_logits, draft_cache = read_history(
+            draft_model, prompt, slots, "draft_model"
+        )
+        _check_same_vocabulary(draft_logits.shape[-1], target_logits.shape[-1])
+    else:
+        draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
+    return LoopState(
+        buffer=buffer,
+        prompt_length=prompt_length,
+        length=prompt_length,
+        done=jnp.zeros((batch,), jnp.bool_),
+        num_steps=jnp.zeros((batch,), jnp.int32),
+        num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        draft_cache=draft_cache,
+        target_cache=target_cache,
         temperature=parameters.temperature,
         top_k=parameters.top_k,
         top_p=parameters.top_p,
     )
-    final = jax.lax.while_loop(lambda state: ~state.done.all(), body, start)
-    return loop.output(final)

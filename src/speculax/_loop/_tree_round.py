@@ -5,6 +5,7 @@ entries where the next round reads its history."""
 
 from typing import NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,7 +202,18 @@ def _sampled(
         )
     )
     probs = draft_sampling(logits.reshape(batch * count, vocab), *parameters)
-    return probs.reshape(batch, count, vocab)
+    probs = probs.reshape(batch, count, vocab)
+    # The tree step is given no row of "top-k" drafts to check, and a draw from a
+    # row that is no distribution is a token the row never meant.
+    not_a_distribution = ~jnp.isfinite(probs).all(axis=-1) | ~(
+        probs.sum(axis=-1) > 0
+    )
+    return eqx.error_if(
+        probs,
+        not_a_distribution & ~state.done[:, None],
+        "draft_model gives logits whose draft row at a node of the draft tree has "
+        "NaN or an infinite value, or no token of positive probability",
+    )
 
 
 def _children_drawn(
