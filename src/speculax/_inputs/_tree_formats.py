@@ -36,7 +36,7 @@ def parents_from_paths(
 
     `TypeError` for a rank that is not an integer (a float or a bool); `ValueError`
     for no paths, an empty, repeated or negative path, a path before its parent,
-    or siblings that do not hold the ranks $0, 1, \dots$ in turn.
+    or siblings that do not hold the ranks $0, 1, \\dots$ in turn.
 
     **Example:**
 

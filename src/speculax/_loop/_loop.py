@@ -517,9 +517,12 @@ def _check_greedy_parameters(
 
 def _is_number_zero(value: ArrayLike | None) -> bool:
     """Whether `value` is known now, not traced, to be 0 in every row."""
-    if value is None or isinstance(value, jax.core.Tracer):
+    if value is None:
         return False
-    return bool(np.all(np.asarray(value) == 0))
+    try:
+        return bool(np.all(np.asarray(value) == 0))
+    except jax.errors.TracerArrayConversionError:
+        return False
 
 
 def _index_inputs(
