@@ -2,7 +2,8 @@
 devices: the device count must be fixed before JAX initialises, which the test
 process (already running JAX on one device) cannot do. Prints one JSON object:
 every chain variant on every mesh; with `--quick`, the default tier's subset of
-the chain's and the trees' checks; with `--trees`, every tree variant.
+the chain's and the trees' checks; with `--trees` and `--logits`, every tree or
+logits variant on the meshes that split the vocabulary.
 """
 
 import json
@@ -351,9 +352,12 @@ QUICK_TREE_MESHES = ("2x4",)
 # The variants whose compiled program is searched for large collectives.
 INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
 STRATEGIES = ("one at a time", "all at once")
-# The extended tier runs the accelerators' row strategy on the meshes that split
-# the vocabulary most and both axes.
-ALL_AT_ONCE_MESHES = ("1x8", "2x4")
+# The extended tier runs the tree and logits steps, a compilation of seconds each
+# on eight devices, under each row strategy on one mesh that splits the vocabulary:
+# the CPU's on the mesh that splits it most, the accelerators' on the mesh of both
+# axes (the default tier runs the CPU's there), and on the batch axis alone. The
+# chain's variants, cheaper, run on every mesh.
+SPLIT_RUNS = {"one at a time": "1x8", "all at once": "2x4"}
 # The failures planted in the bad rows of `tree_variants`.
 TREE_FAILURES = ("bad_target_row", "bad_draft_row", "tree_token_out_of_range")
 
@@ -373,15 +377,13 @@ def same_trees(got: tuple, want: tuple) -> bool:
 def check_trees(
     devices: np.ndarray, quick: bool, strategies: tuple[str, ...] = STRATEGIES
 ) -> dict:
-    """Each tree variant with the batch and the vocabulary split on each mesh,
-    under each of `strategies`, against one device. Where the first of them is
-    the first of all: the batch split alone, the collectives of the compiled
-    programs, the refusals."""
+    """Each tree variant with the vocabulary split on the mesh `SPLIT_RUNS` gives
+    the first of `strategies`, under each of them, against one device. Where the
+    first of them is the first of all: the batch split alone, the collectives of
+    the compiled programs, the refusals."""
     found: dict = {}
     everything = strategies[0] == STRATEGIES[0]
-    meshes = QUICK_TREE_MESHES if quick else tuple(MESHES)
-    if not quick and not everything:
-        meshes = ALL_AT_ONCE_MESHES
+    meshes = QUICK_TREE_MESHES if quick else (SPLIT_RUNS[strategies[0]],)
     for name, (step, args) in tree_variants().items():
         if quick and name not in QUICK_TREE_VARIANTS:
             continue
@@ -505,8 +507,8 @@ INSPECTED_LOGITS = ("logits", "logits deterministic")
 
 
 def check_logits(devices: np.ndarray, quick: bool) -> dict:
-    """Each logits variant with the batch and the vocabulary split on each mesh,
-    under both row strategies, and on the batch axis alone, against one device;
+    """Each logits variant with the vocabulary split under each row strategy on
+    its mesh of `SPLIT_RUNS`, and on the batch axis alone, against one device;
     the row statistics and the collectives of the compiled programs (`quick`: the
     default tier's subset, one variant on the 2 x 4 mesh alone)."""
     found: dict = {}
@@ -527,24 +529,24 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
                 step, batch_only, batch_axis="data", with_result=True
             )
             found[name]["batch axis only"] = same(f(**args), reference)
-        for mesh_name in ("2x4",) if quick else tuple(MESHES):
+        runs = (
+            {"2x4": STRATEGIES[0]}
+            if quick
+            else {mesh: strategy for strategy, mesh in SPLIT_RUNS.items()}
+        )
+        for mesh_name, strategy in runs.items():
             shape = MESHES[mesh_name]
             mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
             entry: dict = {}
-            # The default tier runs the CPU's row strategy alone.
-            strategies = STRATEGIES
-            if quick or mesh_name not in ALL_AT_ONCE_MESHES:
-                strategies = STRATEGIES[:1]
-            for strategy in strategies:
-                with speculax.row_strategy(strategy):
-                    f = speculax.sharded_step(
-                        step,
-                        mesh,
-                        batch_axis="data",
-                        vocab_axis="vocab",
-                        with_result=True,
-                    )
-                    entry[strategy] = same(f(**args), reference)
+            with speculax.row_strategy(strategy):
+                f = speculax.sharded_step(
+                    step,
+                    mesh,
+                    batch_axis="data",
+                    vocab_axis="vocab",
+                    with_result=True,
+                )
+                entry[strategy] = same(f(**args), reference)
             if name in INSPECTED_LOGITS and not quick:
                 hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
                 sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
@@ -552,7 +554,7 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
                 entry["collectives"] = len(collectives(hlo))
             found[name][mesh_name] = entry
     if not quick:
-        found["statistics"] = check_statistics(devices, tuple(MESHES))
+        found["statistics"] = check_statistics(devices, tuple(SPLIT_RUNS.values()))
     mesh = Mesh(devices.reshape(MESHES["2x4"]), ("data", "vocab"))
     try:
         other = speculax.LogitsStep(axis_name="model")

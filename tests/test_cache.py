@@ -343,7 +343,7 @@ def test_a_model_that_breaks_the_interface_is_named(case):
 
 
 def test_a_draft_tree_must_be_a_draft_tree(without_runtime_type_checks):
-    with pytest.raises(TypeError, match="draft_tree must be a speculax.DraftTree"):
+    with pytest.raises(TypeError, match=r"draft_tree must be a speculax\.DraftTree"):
         speculax.SpeculativeLoop(
             draft_tree=(0, 0),  # type: ignore[arg-type]
             max_new_tokens=2,
@@ -353,7 +353,7 @@ def test_a_draft_tree_must_be_a_draft_tree(without_runtime_type_checks):
 
 @pytest.mark.parametrize("drafting", ["top-k", "independent"])
 def test_a_draft_model_that_gives_nan_in_a_tree_loop_is_named(drafting):
-    draft, target = markov_pair(3, 1, seed=0)
+    _, target = markov_pair(3, 1, seed=0)
     nan = MarkovModel(np.full((3, 3), np.nan), 1)
     loop = speculax.SpeculativeLoop(
         draft_tree=speculax.DraftTree((0, 0, 1), drafting=drafting),

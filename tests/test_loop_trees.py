@@ -81,8 +81,10 @@ def test_tree_loop_is_lossless_exactly(
     assert speculax.testing.loop_lossless_error(loop, draft, target, [1]) < 1e-12
 
 
+# Traversal, whose walk differs most from the recursive one of the tree steps' own
+# negative controls in test_trees.py.
 @SLOW
-@pytest.mark.parametrize("walk", ["recursive", "traversal"])
+@pytest.mark.parametrize("walk", ["traversal"])
 def test_exact_test_catches_siblings_verified_with_the_wrong_rule(walk):
     # Children drawn without replacement, verified as if drawn independently.
     draft, target = markov_pair(3, 1, seed=0)

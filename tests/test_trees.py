@@ -1074,14 +1074,21 @@ def test_both_row_strategies_walk_the_trees_alike():
     assert 0 < np.mean(one["num_accepted"][:4]) < 6
 
 
+# Each dtype with one depth limit, and each walk with each drafting mode once, the
+# three dtypes in turn: every walk meets every dtype and both depth limits, and
+# every drafting mode two dtypes.
+_PRECISIONS = [("float32", None), ("bfloat16", 2), ("float64", 2)]
+
+
 @pytest.mark.slow
-# Each dtype with one depth limit: both limits and every dtype meet every walk and
-# drafting mode.
 @pytest.mark.parametrize(
-    "dtype, max_depth", [("float32", None), ("bfloat16", 2), ("float64", 2)]
+    "kind, drafting, dtype, max_depth",
+    [
+        (kind, drafting, *_PRECISIONS[(i + j) % 3])
+        for i, kind in enumerate(STEPS)
+        for j, drafting in enumerate(DRAFTING)
+    ],
 )
-@pytest.mark.parametrize("drafting", DRAFTING)
-@pytest.mark.parametrize("kind", STEPS)
 def test_both_row_strategies_give_the_same_answers(kind, drafting, max_depth, dtype):
     """Bit for bit and outcome for outcome, for each walk, drafting mode, depth
     limit and dtype (float64 under x64)."""

@@ -139,6 +139,7 @@ class Cacheless(AbstractCachedModel):
             "position cache_length + (the number of new tokens it sees) - 1, and "
             "seeing, of the new tokens before it, those that the ones it sees see",
         )
+
         def scored(tokens: Array, positions: Array) -> Array:
             logits = self.model(tokens, positions)
             check_logits(logits, self.name, positions.shape, "(tokens, positions)")

@@ -205,9 +205,7 @@ def _sampled(
     probs = probs.reshape(batch, count, vocab)
     # The tree step is given no row of "top-k" drafts to check, and a draw from a
     # row that is no distribution is a token the row never meant.
-    not_a_distribution = ~jnp.isfinite(probs).all(axis=-1) | ~(
-        probs.sum(axis=-1) > 0
-    )
+    not_a_distribution = ~jnp.isfinite(probs).all(axis=-1) | ~(probs.sum(axis=-1) > 0)
     return eqx.error_if(
         probs,
         not_a_distribution & ~state.done[:, None],
