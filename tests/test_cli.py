@@ -295,7 +295,27 @@ def _assert_one_line(status, out, err, message=""):
         (_with(sample_uniforms=[10**400]).encode(), "beyond float64's range"),
         (
             _with(target_probs=[[[1e39, 0.4, 0.3, 0.3]] * 3]).encode(),
-            "target_probs must be finite",
+            "target_probs holds a number beyond float32's range",
+        ),
+        # In a row the step never reads (the first example stops at position 1).
+        (
+            _with(
+                target_probs=[[[0.1] * 4, [0.1] * 4, [1e39, 0.1, 0.1, 0.1]]]
+            ).encode(),
+            "target_probs holds a number beyond float32's range",
+        ),
+        (
+            _with(draft_probs="INF").encode().replace(b'"INF"', b"[[[Infinity]]]"),
+            "Infinity is not a JSON number",
+        ),
+        (_with(sample_uniforms="N").encode().replace(b'"N"', b"[NaN]"), "NaN is not"),
+        (
+            _with(sample_uniforms="N").encode().replace(b'"N"', b"[1e400]"),
+            "the number 1e400 lies beyond float64's range",
+        ),
+        (
+            _with().encode().replace(b"{", b'{"seed": 1, "seed": 2, ', 1),
+            "duplicate key: seed",
         ),
         (
             _with(draft_tokens=[[[[[[[[[[3]]]]]]]]]]).encode(),
@@ -305,6 +325,23 @@ def _assert_one_line(status, out, err, message=""):
 )
 def test_malformed_input_gives_one_line_and_status_2(data, message, tmp_path, capsys):
     _assert_one_line(*_run_text(data, tmp_path, capsys), message)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["run", "a.json", "b.json"], "speculax: error: unrecognized arguments: b"),
+        (["walk"], "speculax: error: argument command: invalid choice: 'walk'"),
+        (["demo", "--loop", "--repeats", "x"], "speculax demo: error: argument"),
+    ],
+)
+def test_a_bad_command_line_gives_one_line_and_status_2(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _main(arguments, capsys)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(message)
 
 
 def test_integer_json_numbers_are_read_as_floats(tmp_path, capsys):

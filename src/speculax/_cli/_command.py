@@ -4,9 +4,10 @@
 import argparse
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -49,19 +50,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_command(args.file)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose errors are one line on standard error and exit status 2, as
+    every other bad input of the command line (`--help` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     """The parser of the command line, with one subcommand each for `demo`, `run`
     and `bench`."""
     from .. import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="speculax",
         description="The verification step of speculative decoding.",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=_OneLineErrors
+    )
     _add_demo_parser(commands)
     run_parser = commands.add_parser(
         "run",
@@ -222,12 +233,43 @@ def _run(path: str | None) -> str:
     except UnicodeDecodeError:
         raise InputError("the input is not UTF-8 text") from None
     try:
-        inputs = json.loads(text)
+        inputs = json.loads(
+            text,
+            object_pairs_hook=_without_duplicate_keys,
+            parse_constant=_not_json,
+            parse_float=_finite_float,
+        )
     except json.JSONDecodeError as error:
         raise InputError(f"malformed JSON: {error}") from None
     except RecursionError:
         raise InputError("malformed JSON: nested too deeply") from None
     return json.dumps(step_json(inputs), separators=(",", ":"))
+
+
+def _without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (the JSON module would
+    keep the last one silently)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise InputError(f"duplicate key: {key}")
+        found[key] = value
+    return found
+
+
+def _not_json(constant: str) -> float:
+    """Refuses `NaN`, `Infinity` and `-Infinity`, which the JSON module reads though
+    JSON has no such numbers."""
+    raise InputError(f"{constant} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, refusing one beyond float64's range, which Python
+    reads as infinite."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise InputError(f"the number {text[:20]} lies beyond float64's range")
+    return value
 
 
 def step_json(inputs: Any) -> dict[str, list]:
@@ -338,11 +380,14 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     except OverflowError:
         raise InputError(f"{name} holds an integer beyond float64's range") from None
     # JSON numbers are float64 in Python; the step computes in float32 unless x64 is
-    # on, in which case float64 input rightly gives float64 arithmetic. Casting, say,
-    # 1e39 to float32 gives inf, which the step's checks report; NumPy's warning
-    # about it would be a second line.
+    # on, in which case float64 input rightly gives float64 arithmetic. A number
+    # float32 cannot hold is refused here: the step's checks read only the rows the
+    # step uses, and one elsewhere would pass as infinite.
     with np.errstate(over="ignore"):
-        return array.astype(np.float32)
+        narrowed = array.astype(np.float32)
+    if not np.isfinite(narrowed).all():
+        raise InputError(f"{name} holds a number beyond float32's range")
+    return narrowed
 
 
 def _leaf_types(value: Any) -> set[type]:
