@@ -140,8 +140,11 @@ def main() -> None:
         [[0, 1]], [[2, 3]], tree_probs, tree_probs, key=jax.random.key(1)
     )
     assert walked["accepted_nodes"].tolist() == [[1, 2, -1]]
-    # The logits step, split over the batch, returns a StepOutput.
-    from_logits = speculax.sharded_step(speculax.LogitsStep(), mesh, batch_axis="b")
+    # The logits step, split over the batch and the vocabulary as docs/sharding.md
+    # shows, returns a StepOutput.
+    from_logits = speculax.sharded_step(
+        speculax.LogitsStep(), mesh, batch_axis="b", vocab_axis="v"
+    )
     verified: speculax.StepOutput = from_logits(
         [[1]], jnp.zeros((1, 1, 4)), jnp.zeros((1, 2, 4)), key=jax.random.key(2)
     )
@@ -220,6 +223,36 @@ def main() -> None:
     )
     steps: Array = generated["num_steps"]
     assert generated["tokens"].shape == (2, 8) and steps.shape == (2,)
+
+    # The exact check of a loop whose models keep a cache.
+    small = CachedBigram(jnp.log(jnp.array([[0.2, 0.8], [0.6, 0.4]])))
+    short = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
+    exact: float = speculax.testing.loop_lossless_error(short, small, small, [0])
+    law: dict[tuple[int, ...], float] = speculax.testing.loop_output_distribution(
+        short, small, small, [0]
+    )
+    assert exact < 1e-6 and abs(sum(law.values()) - 1) < 1e-6
+
+
+class CachedBigram(speculax.AbstractCachedModel):
+    """A bigram model with a cache of the tokens it has read."""
+
+    logits: Float[Array, "vocab vocab"]
+
+    def init_cache(self, batch: int, max_length: int) -> Int[Array, "batch slots"]:
+        return jnp.zeros((batch, max_length), jnp.int32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: Int[Array, "batch slots"],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
+        return self.logits[tokens], cache.at[rows, slots].set(tokens)
 
 
 class StepMajorKeys(speculax.AbstractKeySchedule):

@@ -87,6 +87,11 @@ class AbstractCachedModel(eqx.Module):
         """
 
 
+Model = AbstractCachedModel | LanguageModel
+"""A model as the loop and its checks take it: with a cache, or a plain callable
+that reads the whole history."""
+
+
 @final
 class Cacheless(AbstractCachedModel):
     """A [`speculax.LanguageModel`][] as a [`speculax.AbstractCachedModel`][]: its

@@ -66,7 +66,7 @@ def sharded_step(
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
-    vocab_axis: None = None,
+    vocab_axis: str | None = None,
     with_result: Literal[False] = False,
 ) -> Callable[..., StepOutput]: ...
 
@@ -77,7 +77,7 @@ def sharded_step(
     mesh: Mesh,
     *,
     batch_axis: str | None = None,
-    vocab_axis: None = None,
+    vocab_axis: str | None = None,
     with_result: Literal[True],
 ) -> Callable[..., tuple[StepOutput, RESULTS]]: ...
 

@@ -12,10 +12,9 @@ import numpy as np
 from jaxtyping import ArrayLike
 
 from .._logits._step import LogitsStep
-from .._loop._cache import AbstractCachedModel, as_cached_model
+from .._loop._cache import AbstractCachedModel, Model, as_cached_model
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
-from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
 from .._loop._tree_round import draft_tree
@@ -40,8 +39,8 @@ from ._loop_tree_cells import tree_step_leaves
 
 def loop_output_distribution(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: Sequence[int],
     *,
     temperature: ArrayLike | None = None,
@@ -108,7 +107,8 @@ def loop_output_distribution(
 
     - `loop`: the [`speculax.SpeculativeLoop`][], with its step, $G$, end token and
         key schedule.
-    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `draft_model`, `target_model`: models, each a
+        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
     - `prompt`: one prompt, a sequence of at least one token.
     - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
         parameters, as the loop takes them (a Python number or a scalar each):
@@ -202,7 +202,7 @@ def loop_output_distribution(
 
 
 def target_output_distribution(
-    target_model: LanguageModel,
+    target_model: Model,
     prompt: Sequence[int],
     max_new_tokens: int,
     end_token: int | None = None,
@@ -269,8 +269,8 @@ def target_output_distribution(
 
 def loop_lossless_error(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: Sequence[int],
     *,
     temperature: ArrayLike | None = None,
@@ -289,7 +289,8 @@ def loop_lossless_error(
     **Arguments:**
 
     - `loop`: the loop to check.
-    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `draft_model`, `target_model`: models, each a
+        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
     - `prompt`: one prompt, a sequence of at least one token.
     - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
         parameters, given to both.
@@ -313,7 +314,7 @@ def loop_lossless_error(
 
 @eqx.filter_jit
 def _next_token_probs(
-    model: AbstractCachedModel | LanguageModel,
+    model: Model,
     parameters: RowParameters,
     buffer: jax.Array,
     length: jax.Array,
@@ -398,7 +399,7 @@ def _assumption(loop: SpeculativeLoop, count_differs: bool) -> str:
 
 def _outcomes(
     loop: SpeculativeLoop,
-    models: tuple[LanguageModel, LanguageModel],
+    models: tuple[Model, Model],
     prompt: tuple[int, ...],
     states: States,
     leaves: list[Leaf],
@@ -478,8 +479,8 @@ def _check_drafted_trees(leaves: list[Leaf], drafts: np.ndarray) -> None:
 @eqx.filter_jit
 def _advance(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel | LanguageModel,
-    target_model: AbstractCachedModel | LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     parameters: RowParameters,
     prompt_length: jax.Array,
     step: jax.Array,

@@ -12,10 +12,9 @@ import numpy as np
 
 from .._chain._step import SpeculativeStep
 from .._logits._step import LogitsStep
-from .._loop._cache import AbstractCachedModel, as_cached_model, read_history
+from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
-from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_probs
 from .._tree._abstract import AbstractTreeStep
 from ._cells import (
@@ -73,8 +72,8 @@ class _StepPieces(NamedTuple):
 
 def step_leaves(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: tuple[int, ...],
     states: States,
     names: dict[int, list[Name]],
@@ -88,7 +87,8 @@ def step_leaves(
     **Arguments:**
 
     - `loop`: the loop, with its step.
-    - `draft_model`, `target_model`: [`speculax.LanguageModel`][]s.
+    - `draft_model`, `target_model`: models, each a
+        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
     - `prompt`: the prompt.
     - `states`: the states the step starts from.
     - `names`: the names of the step's random numbers, per stream.
@@ -134,8 +134,8 @@ def step_leaves(
 
 def _step_pieces(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: tuple[int, ...],
     states: States,
     parameters: RowParameters,
@@ -181,7 +181,9 @@ def _step_pieces(
 
 
 def _draft_sequences(
-    loop: SpeculativeLoop, target_model: LanguageModel, num_states: int
+    loop: SpeculativeLoop,
+    target_model: Model,
+    num_states: int,
 ) -> np.ndarray:
     """Every sequence of $G$ tokens, int32 `(V^G, G)`, after checking that the cells
     of `num_states` states are not too many to enumerate."""
@@ -273,8 +275,8 @@ def _sample_uses(
 @eqx.filter_jit
 def _run_step_pieces(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     parameters: RowParameters,
     buffer: jax.Array,
     length: jax.Array,
@@ -348,7 +350,7 @@ def piece_name(loop: SpeculativeLoop, piece: str) -> str:
 
 
 def history_logits(
-    model: AbstractCachedModel | LanguageModel,
+    model: Model,
     buffer: jax.Array,
     positions: jax.Array,
 ) -> jax.Array:

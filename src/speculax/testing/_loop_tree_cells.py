@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._loop._cache import Model
 from .._loop._draft_tree import DraftTree
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
-from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_probs
 from .._tree._abstract import AbstractTreeStep
 from ._cells import (
@@ -44,8 +44,8 @@ Rows = dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]
 
 def tree_step_leaves(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: tuple[int, ...],
     states: States,
     names: dict[int, list[Name]],
@@ -198,8 +198,8 @@ def _drawn_leaves(
 
 def _state_rows(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     prompt: tuple[int, ...],
     states: States,
     parameters: RowParameters,
@@ -244,8 +244,8 @@ def _state_rows(
 @eqx.filter_jit
 def _rows_after(
     loop: SpeculativeLoop,
-    draft_model: LanguageModel,
-    target_model: LanguageModel,
+    draft_model: Model,
+    target_model: Model,
     parameters: RowParameters,
     buffer: jax.Array,
     length: jax.Array,
