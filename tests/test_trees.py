@@ -643,8 +643,11 @@ def test_tree_formats_read_integers_by_value_and_refuse_floats():
         speculax.parents_from_paths([(0,), (1.5,)])
     with pytest.raises(TypeError, match=r"paths\[0\]\[0\] must be an integer"):
         speculax.parents_from_paths([(True,)])
-    ranks = [(np.uint64(0),), (np.int8(1),), (0, np.int64(2**40)), (0, 2**70)]
+    ranks = [(np.uint64(0),), (np.int8(1),), (0, np.int64(0)), (0, np.uint8(1))]
     assert speculax.parents_from_paths(ranks).tolist() == [0, 0, 1, 1]
+    # A rank read by value, never wrapped: 2**32 + 1 is no rank 1.
+    with pytest.raises(ValueError, match=r"paths\[3\] = \(0, 4294967297\) is not"):
+        speculax.parents_from_paths([*ranks[:3], (0, np.int64(2**32 + 1))])
     next_token = np.array([[1, 4, -1, -1, -1]])
     next_sibling = np.array([[-1, 2, -1, -1, 3]])
     want = speculax.tree_from_linked_lists(next_token, next_sibling)
