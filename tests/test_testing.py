@@ -230,3 +230,72 @@ def test_chi_square_rejects_bad_arguments():
         check(step, STAT_Q, STAT_P[:2], key=key)
     with pytest.raises(ValueError, match="non-negative"):
         check(step, -STAT_Q, STAT_P, key=key)
+
+
+Q = [[0.5, 0.3, 0.2]]
+P = [[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]
+
+
+@pytest.mark.parametrize(
+    ("step", "checker", "instead"),
+    [
+        (speculax.LogitsStep(), "lossless_error", "rows probs_from_logits makes"),
+        (speculax.TreeStep(), "lossless_error", "tree_lossless_error"),
+        (speculax.TraversalStep(), "output_distribution", "tree_lossless_error"),
+        (speculax.LogitsStep(), "lossless_chi_square", "loop_lossless_error"),
+    ],
+)
+def test_a_checker_refuses_a_step_it_cannot_check_by_name(
+    step, checker, instead, without_runtime_type_checks
+):
+    check = getattr(speculax.testing, checker)
+    keywords = {"key": jax.random.key(0)} if checker == "lossless_chi_square" else {}
+    q, p = np.array(Q), np.array(P)
+    with pytest.raises(TypeError, match=rf"{checker} checks a speculax\.Speculative"):
+        check(step, q, p, **keywords)
+    with pytest.raises(TypeError, match=instead):
+        check(step, q, p, **keywords)
+
+
+@pytest.mark.parametrize(
+    ("q", "p", "message"),
+    [
+        ([[0.5, 0.3, 0.3]], P, r"draft_probs must be normalised.* row 0 sums to 1\.1"),
+        (Q, [P[0], [3.0, 3.0, 4.0]], r"target_probs must be normalised.* row 1"),
+    ],
+)
+def test_the_checkers_refuse_rows_that_are_not_distributions(q, p, message):
+    step = speculax.SpeculativeStep()
+    with pytest.raises(ValueError, match=message):
+        speculax.testing.lossless_error(step, q, p)
+    with pytest.raises(ValueError, match=message):
+        speculax.testing.lossless_chi_square(
+            step, np.array(q), np.array(p), key=jax.random.key(0)
+        )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error", "message"),
+    [
+        ([-1], ValueError, r"prompt\[0\] must lie in \[0, V\) = \[0, 3\); got -1"),
+        ([1, 3], ValueError, r"prompt\[1\] must lie in \[0, V\) = \[0, 3\); got 3"),
+        ([2.7], TypeError, r"prompt\[0\] must be an integer; got 2\.7"),
+        ([True], TypeError, r"prompt\[0\] must be an integer; got True"),
+        ([], ValueError, "prompt must hold at least one token"),
+    ],
+)
+def test_the_loop_checkers_refuse_a_bad_prompt_by_name(
+    prompt, error, message, without_runtime_type_checks
+):
+    draft, target = markov_pair(3, 1, seed=0)
+    loop = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
+    for check in (
+        lambda: speculax.testing.loop_output_distribution(loop, draft, target, prompt),
+        lambda: speculax.testing.loop_lossless_error(loop, draft, target, prompt),
+        lambda: speculax.testing.target_output_distribution(target, prompt, 2),
+    ):
+        with pytest.raises(error, match=message):
+            check()
+    # A token read by value in any integer type.
+    exact = speculax.testing.target_output_distribution(target, [np.int8(1)], 1)
+    assert exact == speculax.testing.target_output_distribution(target, [1], 1)

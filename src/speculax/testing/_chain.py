@@ -11,9 +11,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .._chain._step import SpeculativeStep
+from .._logits._step import LogitsStep
 from .._pieces._acceptance import AbstractAcceptance
 from .._pieces._residual import AbstractResidual
 from .._pieces._sampling import AbstractSampler
+from .._tree._abstract import AbstractTreeStep
 
 
 # Enumeration costs V^G calls' worth of rows; past this it is no longer a quick check.
@@ -108,8 +110,10 @@ def output_distribution(
     negative, not finite or without positive mass, or a sampler seen to draw a token
     on more than one interval of $s$ or a token outside $[0, V)$. The message names
     the piece; test a piece refused here with
-    [`speculax.testing.lossless_chi_square`][].
+    [`speculax.testing.lossless_chi_square`][]. `TypeError` for a step that is not
+    a [`speculax.SpeculativeStep`][], naming the checker that fits it.
     """
+    check_chain_step(step, "output_distribution")
     q, p = check_row(draft_probs, target_probs)
     num_draft, vocab = q.shape
     if vocab**num_draft > _MAX_SEQUENCES:
@@ -202,6 +206,42 @@ def check_row(
     return q, p
 
 
+def check_chain_step(step: object, checker: str) -> None:
+    """Raises a `TypeError` naming the checker unless `step` is a
+    [`speculax.SpeculativeStep`][], whose pieces the chain's checkers run, with the
+    checker that fits the step given instead."""
+    if isinstance(step, SpeculativeStep):
+        return
+    if isinstance(step, LogitsStep):
+        instead = (
+            "a LogitsStep verifies the rows probs_from_logits makes from the logits "
+            "by the rule of SpeculativeStep(): check that step on those rows, or the "
+            "loop with speculax.testing.loop_lossless_error"
+        )
+    elif isinstance(step, AbstractTreeStep):
+        instead = "check a tree step with speculax.testing.tree_lossless_error"
+    else:
+        instead = "its pieces are what the check runs"
+    raise TypeError(
+        f"{checker} checks a speculax.SpeculativeStep; got a {type(step).__name__}: "
+        f"{instead}"
+    )
+
+
+def check_normalised(q: np.ndarray, p: np.ndarray) -> None:
+    """Raises a `ValueError` unless every row of $q$ and $p$ sums to 1 within
+    $10^{-6}$: the theorem the checkers test is about distributions, and an
+    unnormalised row would give a number that means nothing."""
+    for name, rows in (("draft_probs", q), ("target_probs", p)):
+        sums = rows.sum(axis=-1)
+        if not np.all(np.abs(sums - 1) <= 1e-6):
+            worst = int(np.argmax(np.abs(sums - 1)))
+            raise ValueError(
+                f"{name} must be normalised, each row summing to 1; row {worst} "
+                f"sums to {float(sums[worst])!r}"
+            )
+
+
 def lossless_error(
     step: SpeculativeStep,
     draft_probs: Float[Array | np.ndarray, "draft vocab"] | Sequence[Sequence[float]],
@@ -226,7 +266,14 @@ def lossless_error(
     **Returns:**
 
     The largest absolute deviation, a Python float.
+
+    **Raises:**
+
+    As [`speculax.testing.output_distribution`][], and a `ValueError` for a row of
+    $q$ or $p$ that does not sum to 1 within $10^{-6}$.
     """
+    check_chain_step(step, "lossless_error")
+    check_normalised(*check_row(draft_probs, target_probs))
     dist = output_distribution(step, draft_probs, target_probs)
     p = np.asarray(target_probs, dtype=np.float64)
     reached = dist.reach_probs > 0

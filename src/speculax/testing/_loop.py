@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike
 
+from .._core._numerics import static_integer
 from .._logits._step import LogitsStep
-from .._loop._cache import AbstractCachedModel, Model, as_cached_model
+from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._sampling import RowParameters, row_parameters, row_probs
@@ -134,9 +135,7 @@ def loop_output_distribution(
     outside $[0, V)$, a step that did not do in a cell what the cell implies, or
     more than two million cells in one step.
     """
-    prompt = tuple(int(token) for token in prompt)
-    if not prompt:
-        raise ValueError("prompt must hold at least one token")
+    prompt = _checked_prompt(prompt, target_model)
     with jax.enable_x64(True):
         parameters = row_parameters(
             temperature,
@@ -236,9 +235,7 @@ def target_output_distribution(
 
     A dict from each token sequence to its probability.
     """
-    prompt = tuple(int(token) for token in prompt)
-    if not prompt:
-        raise ValueError("prompt must hold at least one token")
+    prompt = _checked_prompt(prompt, target_model)
     finished: dict[tuple[int, ...], float] = {}
     states = {(): 1.0}
     with jax.enable_x64(True):
@@ -310,6 +307,29 @@ def loop_lossless_error(
         abs(generated.get(tokens, 0.0) - target.get(tokens, 0.0))
         for tokens in generated.keys() | target.keys()
     )
+
+
+def _checked_prompt(prompt: Sequence[int], target_model: Model) -> tuple[int, ...]:
+    """The prompt as Python ints, after checking that it holds at least one token
+    and that each is an integer (not a float or a bool), read by value, in
+    $[0, V)$ for the target's vocabulary."""
+    tokens = tuple(
+        static_integer(token, f"prompt[{i}]") for i, token in enumerate(prompt)
+    )
+    if not tokens:
+        raise ValueError("prompt must hold at least one token")
+    model = as_cached_model(target_model, "target_model")
+    buffer = jax.ShapeDtypeStruct((1, len(tokens)), jnp.int32)
+    logits = jax.eval_shape(
+        lambda b: read_history(model, b, len(tokens), "target_model")[0], buffer
+    )
+    vocab = logits.shape[-1]
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab:
+            raise ValueError(
+                f"prompt[{i}] must lie in [0, V) = [0, {vocab}); got {token}"
+            )
+    return tokens
 
 
 @eqx.filter_jit

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._chain._step import SpeculativeStep
-from ._chain import check_row
+from ._chain import check_chain_step, check_normalised, check_row
 
 
 class ChiSquareTest(NamedTuple):
@@ -89,8 +89,11 @@ def lossless_chi_square(
     **Raises:**
 
     `ValueError` for shapes that disagree, a negative or non-finite probability, a
-    `num_samples` that is not a positive integer, or a step that returns a token
-    outside `[0, V)` at a position it reached.
+    row that does not sum to 1 within $10^{-6}$, a `num_samples` that is not a
+    positive integer, or a step that returns a token outside `[0, V)` at a position
+    it reached; `TypeError` for a step that is not a
+    [`speculax.SpeculativeStep`][] (a `LogitsStep` would read the probabilities as
+    logits), naming the checker that fits it.
 
     **Example:**
 
@@ -109,7 +112,9 @@ def lossless_chi_square(
     assert np.all(test.p_value > 1e-4)
     ```
     """
+    check_chain_step(step, "lossless_chi_square")
     q, p = check_row(draft_probs, target_probs)
+    check_normalised(q, p)
     if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer):
         raise TypeError(
             f"num_samples must be an integer; got {type(num_samples).__name__}"
