@@ -299,3 +299,89 @@ def test_the_loop_checkers_refuse_a_bad_prompt_by_name(
     # A token read by value in any integer type.
     exact = speculax.testing.target_output_distribution(target, [np.int8(1)], 1)
     assert exact == speculax.testing.target_output_distribution(target, [1], 1)
+
+
+@final
+class PassesInAWindow(speculax.AbstractAcceptance):
+    """`RatioAcceptance`, except that every test also passes for `u` in a window:
+    lossy by the window's measure wherever the ratio is below it, and fooled a
+    check with 16 fixed probes for windows of width 0.03 between them."""
+
+    low: float
+    high: float
+    reads_uniforms: ClassVar[bool] = True
+    reads_draft_probs: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms, **kw):
+        passed = speculax.RatioAcceptance()(
+            draft_tokens, draft_probs, target_probs, accept_uniforms, **kw
+        )
+        in_window = (self.low <= accept_uniforms) & (accept_uniforms < self.high)
+        return passed | in_window
+
+
+@final
+class SkipsAWindow(speculax.AbstractSampler):
+    """Inverse CDF, except that on `s` in a window it draws token 0: a second
+    interval for token 0 (unless its own is next to the window)."""
+
+    low: float
+    high: float
+    reads_uniforms: ClassVar[bool] = True
+    axis_name: None = None
+
+    def __call__(self, weights, sample_uniforms):
+        drawn = speculax.InverseCDF()(weights, sample_uniforms)
+        in_window = (self.low <= sample_uniforms) & (sample_uniforms < self.high)
+        return jnp.where(in_window, 0, drawn)
+
+
+# The red team's windows, each of width 0.01 or more, and one of 0.002: every
+# interval wider than 1.2e-3 holds a probe, wherever it lies.
+WINDOWS = [(0.91, 0.96), (0.72, 0.75), (0.47, 0.50), (0.5005, 0.5105), (0.3, 0.302)]
+
+
+def test_every_interval_wider_than_the_stated_gap_holds_a_probe():
+    """The strength the checkers state: the probes of any shift leave no gap wider
+    than 1.2e-3 in [0, 1), the wrap-around included."""
+    from speculax.testing._chain import _PROBE_BATCH, PROBES, _probes
+
+    shifts = jnp.asarray(np.random.default_rng(0).random(64))
+    with jax.enable_x64(True):
+        probes = jnp.concatenate(
+            [_probes(shifts, jnp.int32(j)) for j in range(PROBES // _PROBE_BATCH)]
+        )
+    assert probes.shape == (PROBES, 64)
+    spread = np.sort(np.asarray(probes), axis=0)
+    gaps = np.diff(np.concatenate([spread, spread[:1] + 1]), axis=0)
+    assert gaps.max() < 1.2e-3
+
+
+@pytest.mark.parametrize(("low", "high"), WINDOWS)
+def test_an_acceptance_test_lossy_in_a_window_is_never_called_lossless(low, high):
+    q, p = random_row(seed=3, vocab=3, num_draft=2, zeros="none")
+    step = speculax.SpeculativeStep(acceptance=PassesInAWindow(low, high))
+    with pytest.raises(ValueError, match=r"step\.acceptance is not monotone"):
+        speculax.testing.lossless_error(step, q, p)
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.40, 0.42), (0.655, 0.665)])
+def test_a_sampler_lossy_in_a_window_is_never_called_lossless(low, high):
+    q, p = random_row(seed=4, vocab=3, num_draft=2, zeros="none")
+    step = speculax.SpeculativeStep(sampler=SkipsAWindow(low, high))
+    with pytest.raises(ValueError, match=r"step.sampler \(SkipsAWindow\)"):
+        speculax.testing.lossless_error(step, q, p)
+
+
+def test_a_loop_whose_acceptance_is_lossy_in_a_window_is_refused():
+    """The red team's loop: G = 1, V = 3, three tokens, reported lossless at 9e-17
+    while the jitted loop's chi-square gave p = 3e-79."""
+    draft, target = LOOP_MODELS
+    loop = speculax.SpeculativeLoop(
+        num_draft=1,
+        max_new_tokens=3,
+        step=speculax.SpeculativeStep(acceptance=PassesInAWindow(0.91, 0.96)),
+    )
+    with pytest.raises(ValueError, match="not monotone"):
+        speculax.testing.loop_lossless_error(loop, draft, target, [1])

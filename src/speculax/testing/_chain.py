@@ -23,9 +23,26 @@ _MAX_SEQUENCES = 1_000_000
 _ONE_BITS = int(np.float64(1.0).view(np.int64))
 # Enough halvings to shrink [-1, _ONE_BITS] to adjacent integers.
 _HALVINGS = (_ONE_BITS + 1).bit_length()
-_PROBES = 16
-# Shifts by multiples of it spread the probes of different positions (or rows) apart.
-_GOLDEN_FRACTION = 0.6180339887498949
+# The checks that a piece follows the rule the enumeration evaluates probe each row
+# and position at this many uniforms, drawn afresh at every call.
+PROBES = 1024
+# Probes evaluated at once, under `vmap`: the pieces' work that does not read the
+# uniform is done once for all of them.
+_PROBE_BATCH = 256
+_GOLDEN_FRACTION = (5**0.5 - 1) / 2
+
+
+def _probes(
+    shift: Float[Array, "*shape"], batch: Int[Array, ""]
+) -> Float[Array, "probes *shape"]:
+    """Batch `batch` of the probes: $u_j = (\\text{shift} + j \\varphi) \\bmod 1$
+    for $j$ in the batch, $\\varphi$ the fraction of the golden ratio. With a
+    uniform `shift` each is uniform on $[0, 1)$, and by the three-gap theorem the
+    `PROBES` of them leave no gap wider than $1.2 \\cdot 10^{-3}$ in $[0, 1)$,
+    wherever the shift puts them."""
+    j = batch * _PROBE_BATCH + jnp.arange(_PROBE_BATCH, dtype=jnp.float64)
+    j = j.reshape(-1, *([1] * shift.ndim))
+    return (shift + j * _GOLDEN_FRACTION) % 1.0
 
 
 class OutputDistribution(NamedTuple):
@@ -139,6 +156,7 @@ def output_distribution(
             jnp.asarray(q),
             jnp.asarray(p),
             jnp.asarray(patterns),
+            jnp.asarray(fresh_probe_shifts(sequences.shape)),
         )
     if not np.all(np.asarray(monotone)[sequence_probs > 0]):
         raise ValueError(
@@ -288,6 +306,7 @@ def _run_pieces(
     q: Float[Array, "draft vocab"],
     p: Float[Array, "draft+1 vocab"],
     patterns: Bool[Array, "patterns draft"],
+    probe_shift: Float[Array, "sequences draft"],
 ) -> tuple[
     Float[Array, "sequences draft"],
     Bool[Array, "sequences draft"],
@@ -306,7 +325,7 @@ def _run_pieces(
     p_batch = jnp.broadcast_to(p, (num_sequences, *p.shape))
 
     pass_probs, monotone = acceptance_thresholds(
-        step.acceptance, sequences, q_batch, p_batch
+        step.acceptance, sequences, q_batch, p_batch, probe_shift
     )
 
     counts = step.prefix(patterns)
@@ -346,17 +365,33 @@ def residual_weights(
     return weights.reshape(rows, stops, -1)
 
 
+def fresh_probe_shifts(shape: tuple[int, ...]) -> Float[np.ndarray, "*shape"]:
+    """Uniform shifts of the probes, one per row (and position), drawn from the
+    operating system's entropy at every call of a checker: the probes fall
+    elsewhere every time, so that no fixed window of a uniform can hide from them."""
+    return np.random.default_rng().random(shape)
+
+
 @eqx.filter_jit
 def acceptance_thresholds(
     acceptance: AbstractAcceptance,
     draft_tokens: Int[Array, "rows draft"],
     draft_probs: Float[Array, "rows draft vocab"],
     target_probs: Float[Array, "rows draft+1 vocab"],
+    probe_shift: Float[Array, "rows draft"],
 ) -> tuple[Float[Array, "rows draft"], Bool[Array, "rows draft"]]:
     """The threshold $t_i$ below which each position's test passes, so that
     $P(\\text{pass}) = t_i$ for a uniform $u_i$, and whether probes agree with
     "passes exactly when $u_i < t_i$" (a test that is not monotone in its own $u_i$
     has no such threshold).
+
+    Each row and position is probed at the `PROBES` uniforms `_probes` spreads
+    from its `probe_shift`: every interval of $u_i$ wider than $1.2 \\cdot 10^{-3}$
+    holds a probe, wherever it lies, so that a test that
+    passes or fails otherwise than its threshold says on such an interval (or that
+    reads another position's uniform, probed with another shift) is refused; what
+    it may still hide moves each pass probability by less than $1.2 \\cdot
+    10^{-3}$ per interval.
 
     **Arguments:**
 
@@ -364,6 +399,7 @@ def acceptance_thresholds(
     - `draft_tokens`: integer `(rows, G)`.
     - `draft_probs`: float `(rows, G, V)`, $q_i$.
     - `target_probs`: float `(rows, G + 1, V)`, $p_i$.
+    - `probe_shift`: float64 `(rows, G)` in $[0, 1)$, from `fresh_probe_shifts`.
 
     **Returns:**
 
@@ -394,22 +430,19 @@ def acceptance_thresholds(
     _, failing = jax.lax.fori_loop(0, _HALVINGS, halve, start)
     thresholds = jax.lax.bitcast_convert_type(failing, jnp.float64)
 
-    # Bisection silently finds a wrong threshold for a non-monotone test; a grid of
-    # probes catches the gross cases. Each position's probe is shifted by its own
-    # amount, so that a test reading another position's uniform is seen too.
-    shifts = jnp.arange(draft_tokens.shape[1]) * _GOLDEN_FRACTION
-
+    # Bisection silently finds a wrong threshold for a non-monotone test: random
+    # probes, independent across positions, find where the test disagrees with it.
     def probe(j, consistent):
-        u = jnp.broadcast_to(
-            ((j + 0.5) / _PROBES + shifts) % 1.0, draft_tokens.shape
-        ).astype(jnp.float64)
-        passed = acceptance(
-            draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
-        )
-        return consistent & (passed == (u < thresholds))
+        u = _probes(probe_shift, j)
+        passed = jax.vmap(
+            lambda u: acceptance(
+                draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
+            )
+        )(u)
+        return consistent & jnp.all(passed == (u < thresholds), axis=0)
 
     monotone = jax.lax.fori_loop(
-        0, _PROBES, probe, jnp.ones(draft_tokens.shape, jnp.bool_)
+        0, PROBES // _PROBE_BATCH, probe, jnp.ones(draft_tokens.shape, jnp.bool_)
     )
     return thresholds, monotone
 
@@ -460,8 +493,13 @@ def sampler_cells(
     inverse-CDF sampling over the vocabulary in any order does), and is wrong
     otherwise, so it is checked: a row is valid only if it needs at most $V$
     pieces, no token comes back in a later piece, every token lies in `[0, V)`, and
-    the sampler draws each piece's token at its midpoint and at 16 further probes of
-    $s$ (for a sampler that reads no uniform, these check that it does not).
+    the sampler draws each piece's token at its midpoint and at `PROBES` values of
+    $s$ spread from a shift drawn afresh for every row at every call (for a
+    sampler that reads no uniform, these check that it does not): every interval
+    of $s$ wider than $1.2 \\cdot 10^{-3}$ holds one, so that a
+    sampler that draws otherwise than its pieces say on such an interval is
+    refused, and what it may still hide moves a token's probability by less than
+    $1.2 \\cdot 10^{-3}$ per interval.
 
     **Arguments:**
 
@@ -480,7 +518,9 @@ def sampler_cells(
         return SamplerCells(empty, empty, empty.astype(np.int64), none, none)
     with jax.enable_x64(True):
         lows, highs, tokens, probes_agree = in_chunks(
-            lambda rows: _scan_sampler(sampler, rows), weights
+            lambda rows, shift: _scan_sampler(sampler, rows, shift),
+            weights,
+            fresh_probe_shifts((rows,)),
         )
     used = highs > lows
     in_vocab = np.all(~used | ((tokens >= 0) & (tokens < vocab)), axis=-1)
@@ -539,7 +579,9 @@ def refuse_sampler(
 
 @eqx.filter_jit
 def _scan_sampler(
-    sampler: AbstractSampler, weights: Float[Array, "rows vocab"]
+    sampler: AbstractSampler,
+    weights: Float[Array, "rows vocab"],
+    probe_shift: Float[Array, " rows"],
 ) -> tuple[
     Float[Array, "rows vocab"],
     Float[Array, "rows vocab"],
@@ -592,8 +634,8 @@ def _scan_sampler(
         highs = unused
         tokens = jnp.full((rows, vocab), -1, jnp.int64).at[:, 0].set(draw(zero))
 
-    # Each piece's midpoint draws its token, and so do probes spread over [0, 1),
-    # shifted by row, that can land inside a piece the scan stepped over.
+    # Each piece's midpoint draws its token, and so do random probes, independent
+    # across rows, that can land inside a piece the scan stepped over.
     middles = lows + (highs - lows) // 2
     consistent = jnp.all(
         (highs == lows) | (jax.vmap(draw, in_axes=1, out_axes=1)(middles) == tokens),
@@ -601,16 +643,15 @@ def _scan_sampler(
     )
     lows_f = jax.lax.bitcast_convert_type(lows, jnp.float64)
     highs_f = jax.lax.bitcast_convert_type(highs, jnp.float64)
-    shifts = jnp.arange(rows) * _GOLDEN_FRACTION
 
     def probe(j, consistent):
-        s = ((j + 0.5) / _PROBES + shifts) % 1.0
-        inside = (lows_f <= s[:, None]) & (s[:, None] < highs_f)
+        s = _probes(probe_shift, j)
+        inside = (lows_f <= s[..., None]) & (s[..., None] < highs_f)
         expected = jnp.max(jnp.where(inside, tokens, jnp.iinfo(jnp.int64).min), -1)
-        bits = jax.lax.bitcast_convert_type(s, jnp.int64)
-        return consistent & (draw(bits) == expected)
+        drawn = jax.vmap(draw)(jax.lax.bitcast_convert_type(s, jnp.int64))
+        return consistent & jnp.all(drawn == expected, axis=0)
 
-    consistent = jax.lax.fori_loop(0, _PROBES, probe, consistent)
+    consistent = jax.lax.fori_loop(0, PROBES // _PROBE_BATCH, probe, consistent)
     return lows_f, highs_f, tokens, consistent
 
 

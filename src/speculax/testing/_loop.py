@@ -16,6 +16,7 @@ from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
+from .._loop._model import LanguageModel
 from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
 from .._loop._tree_round import draft_tree
@@ -40,8 +41,8 @@ from ._loop_tree_cells import tree_step_leaves
 
 def loop_output_distribution(
     loop: SpeculativeLoop,
-    draft_model: Model,
-    target_model: Model,
+    draft_model: AbstractCachedModel | LanguageModel,
+    target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     *,
     temperature: ArrayLike | None = None,
@@ -201,7 +202,7 @@ def loop_output_distribution(
 
 
 def target_output_distribution(
-    target_model: Model,
+    target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     max_new_tokens: int,
     end_token: int | None = None,
@@ -266,8 +267,8 @@ def target_output_distribution(
 
 def loop_lossless_error(
     loop: SpeculativeLoop,
-    draft_model: Model,
-    target_model: Model,
+    draft_model: AbstractCachedModel | LanguageModel,
+    target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     *,
     temperature: ArrayLike | None = None,

@@ -31,6 +31,7 @@ from ._cells import (
 from ._chain import (
     SamplerCells,
     acceptance_thresholds,
+    fresh_probe_shifts,
     in_chunks,
     refuse_sampler,
     residual_weights,
@@ -157,12 +158,20 @@ def _step_pieces(
         histories, len(prompt) + loop.max_new_tokens + num_draft + 1
     )
     draft_probs, thresholds, monotone, weights = in_chunks(
-        lambda *rows: _run_step_pieces(
-            loop, draft_model, target_model, parameters, *rows
+        lambda buffer, lengths, tokens, shift: _run_step_pieces(
+            loop,
+            draft_model,
+            target_model,
+            parameters,
+            buffer,
+            lengths,
+            tokens,
+            shift,
         ),
         buffer,
         lengths,
         sequences[[sequence for _, sequence in rows]],
+        fresh_probe_shifts((len(rows), num_draft)),
     )
     weights = weights.astype(np.float64)
     return _StepPieces(
@@ -281,6 +290,7 @@ def _run_step_pieces(
     buffer: jax.Array,
     length: jax.Array,
     draft_tokens: jax.Array,
+    probe_shift: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """For histories whose last $G$ tokens are the drafts, the rows the drafts are
     drawn from (by `loop.draft_sampling`), and the step's pieces on the rows it
@@ -299,7 +309,7 @@ def _run_step_pieces(
     target_probs = row_probs(target_logits, parameters)
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
-            step.acceptance, draft_tokens, draft_probs, target_probs
+            step.acceptance, draft_tokens, draft_probs, target_probs, probe_shift
         )
     else:
         thresholds = jnp.zeros((rows, 0), jnp.float64)
