@@ -19,7 +19,7 @@ piece is found to follow: the threshold of each acceptance test and the interval
 each sampler's token, found by bisection to the last bit of float64. Whether the
 piece follows that rule everywhere is checked at 1024 uniforms for every row and
 position, spread from a shift drawn afresh at every call, which leave no gap wider
-than $1.2 \cdot 10^{-3}$ in $[0, 1)$ wherever the shift falls: a piece that departs
+than $1.2 \\cdot 10^{-3}$ in $[0, 1)$ wherever the shift falls: a piece that departs
 from its rule on any interval of its uniform wider than that is refused, never
 called lossless, and what a narrower departure may hide moves a probability by less
 than the interval's width. The chain checkers take a
