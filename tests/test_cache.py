@@ -254,7 +254,9 @@ def test_loop_refuses_a_model_that_is_not_one():
         )
 
 
-Misbehaviour = Literal["no cache", "cache a slot short", "logits of (B, V)", "int"]
+Misbehaviour = Literal[
+    "no cache", "cache a slot short", "logits of (B, V)", "int", "rounds"
+]
 
 
 @final
@@ -274,6 +276,9 @@ class Misbehaving(speculax.AbstractCachedModel):
             "cache a slot short": (logits, cache[:, :-1]),
             "logits of (B, V)": (logits[:, -1], cache),
             "int": (logits.astype(jnp.int32), cache),
+            # Off by 1e-6 after a cached history, as float attention summed in
+            # another order is.
+            "rounds": (logits + 1e-6 * (cache_length > 0)[:, None, None], cache),
         }[self.how]
 
 
@@ -340,6 +345,17 @@ def test_a_model_that_breaks_the_interface_is_named(case):
             jnp.zeros((2, 2), jnp.int32),
             key=jax.random.key(0),
         )
+
+
+def test_the_exact_test_reports_by_how_much_a_cached_read_differs():
+    draft, target = markov_pair(3, 2, seed=2)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"target_model gives other logits") as caught:
+        speculax.testing.loop_output_distribution(
+            loop, cached(draft), Misbehaving(cached(target), "rounds"), [1, 0]
+        )
+    assert "by up to 1e-06" in str(caught.value)
+    assert "a difference of rounding" in str(caught.value)
 
 
 def test_a_draft_tree_must_be_a_draft_tree(without_runtime_type_checks):

@@ -437,7 +437,7 @@ def _outcomes(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_nodes + 1,
     )
-    buffer, length, num_accepted, done, drafts, faults = in_chunks(
+    buffer, length, num_accepted, done, drafts, faults, differences = in_chunks(
         lambda *rows: _advance(
             loop,
             *models,
@@ -452,7 +452,7 @@ def _outcomes(
         np.array([leaf.accept_uniforms for leaf in leaves]).reshape(batch, num_draft),
         np.array([leaf.sample_uniform for leaf in leaves]),
     )
-    check_caches(faults)
+    check_caches(faults, differences)
     if loop.draft_tree is not None:
         _check_drafted_trees(leaves, drafts)
     generated = [
@@ -559,7 +559,9 @@ def _advance(
         for k in range(len(variants))
     ]
     drafts = _drafts(loop, models[0], before(caches), draft_uniforms)
-    faults = cache_faults(loop, models, buffer, length, caches, after, drafts)
+    faults, differences = cache_faults(
+        loop, models, buffer, length, caches, after, drafts
+    )
     after = after[0]
     return (
         after.buffer,
@@ -568,4 +570,5 @@ def _advance(
         after.done,
         drafts,
         faults,
+        differences,
     )

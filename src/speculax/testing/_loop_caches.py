@@ -24,8 +24,11 @@ from .._loop._tree_round import TreeRead, draft_reads, read_tree, tree_read
 _MODELS = ("draft_model", "target_model")
 _FAULTS = (
     "{} gives other logits for new tokens read after a history in its cache than "
-    "for the same tokens read with the history in one call: its cache does not hold "
-    "what it read (a new token not written at cache_length + k?)",
+    "for the same tokens read with the history in one call, by up to {:.3g}: its "
+    "cache does not hold what it read (a new token not written at cache_length + "
+    "k?), or, for a difference of rounding, the model does not compute a token's "
+    "logits to the same bits read in pieces as read whole (float attention summed "
+    "in another order), which the exact test needs to tell the rows apart",
     "{} reads its cache at or past cache_length: the step changed when those slots "
     "held other entries. The loop leaves rejected drafts there, so the next step "
     "would read a wrong history",
@@ -81,9 +84,10 @@ def cache_faults(
     fresh: tuple[Any, Any],
     after: list[LoopState],
     drafts: jax.Array,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """Which assumptions each row's caches break, bool `(B, 3, 2)`: entry
-    `[b, f, m]` for fault `f` (the order of `_FAULTS`) of model `m` (draft, target).
+    `[b, f, m]` for fault `f` (the order of `_FAULTS`) of model `m` (draft, target);
+    and by how much the logits of the first fault differ, float `(B, 2)`.
 
     **Arguments:**
 
@@ -98,10 +102,14 @@ def cache_faults(
     left = (after[0].draft_cache, after[0].target_cache)
     calls = _round_calls(loop, buffer, length, drafts)
     faults = [jnp.zeros((3, buffer.shape[0]), jnp.bool_)] * 2
+    differences = [jnp.zeros(buffer.shape[:1])] * 2
     for model, scrambled in zip(_read_models(loop), after[1:], strict=True):
+        differences[model] = _difference_from_whole(
+            models[model], fresh[model], buffer, calls[model]
+        )
         faults[model] = jnp.stack(
             [
-                ~_reads_as_whole(models[model], fresh[model], buffer, calls[model]),
+                differences[model] != 0,
                 _outcome_differs(after[0], scrambled),
                 ~_agree_below(
                     _cached_lengths(after[0].length)[model],
@@ -110,7 +118,10 @@ def cache_faults(
                 ),
             ]
         )
-    return jnp.stack(faults, axis=-1).transpose(1, 0, 2)
+    return (
+        jnp.stack(faults, axis=-1).transpose(1, 0, 2),
+        jnp.stack(differences, axis=-1),
+    )
 
 
 def _read_models(loop: SpeculativeLoop) -> tuple[int, ...]:
@@ -119,13 +130,14 @@ def _read_models(loop: SpeculativeLoop) -> tuple[int, ...]:
     return (0, 1) if loop.num_nodes else (1,)
 
 
-def check_caches(faults: np.ndarray) -> None:
+def check_caches(faults: np.ndarray, differences: np.ndarray) -> None:
     """Raises for the first fault of `cache_faults` seen in any cell, naming the
-    model."""
+    model (and for the first, the largest difference of its logits)."""
     for fault, message in enumerate(_FAULTS):
         for model, name in enumerate(_MODELS):
             if faults[:, fault, model].any():
-                raise ValueError(message.format(name))
+                largest = float(np.max(np.abs(differences[:, model])))
+                raise ValueError(message.format(name, largest))
 
 
 def _cached_lengths(length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -141,21 +153,25 @@ _Call = Callable[
 ]
 
 
-def _reads_as_whole(
+def _difference_from_whole(
     model: AbstractCachedModel,
     cache: Any,
     buffer: jax.Array,
     calls: list[_Call],
 ) -> jax.Array:
-    """Whether the model's logits in a round's calls, each after what the calls
-    before wrote, are those of reading each new token's history and what it sees
-    in one call, per row."""
+    """The largest difference, per row, between the model's logits in a round's
+    calls, each after what the calls before wrote, and those of reading each new
+    token's history and what it sees in one call: 0 where they agree bit for bit
+    (infinite where they disagree on an infinity or a NaN)."""
     whole, _ = read_history(model, buffer, buffer.shape[1], "model")
-    agree = jnp.ones(buffer.shape[:1], jnp.bool_)
+    largest = jnp.zeros(buffer.shape[:1])
     for call in calls:
         logits, cache, expected = call(model, cache, whole)
-        agree &= (logits == expected).reshape(buffer.shape[0], -1).all(axis=1)
-    return agree
+        same = (logits == expected) | (jnp.isnan(logits) & jnp.isnan(expected))
+        difference = jnp.where(same, 0, jnp.abs(logits - expected))
+        difference = jnp.where(jnp.isnan(difference), jnp.inf, difference)
+        largest = jnp.maximum(largest, difference.reshape(largest.shape[0], -1).max(1))
+    return largest
 
 
 def _round_calls(
