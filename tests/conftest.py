@@ -24,6 +24,20 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile("speculax")
 
 
+# The files whose tests take longest (the sharded checks run subprocesses of minutes
+# on eight devices; the documentation pages and the demo compile many programs)
+# run first: a long test left for the end would keep one worker busy while the
+# other waits.
+_LONGEST_FIRST = ("test_sharded.py", "test_docs.py", "test_cli.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Puts the tests of `_LONGEST_FIRST` first, in that order, the others after in
+    the order they were collected (every xdist worker collects the same)."""
+    rank = {name: k for k, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
     """Drops JAX's compiled programs after each test file. Each program XLA compiles
