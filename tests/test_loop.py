@@ -602,6 +602,28 @@ def test_end_token_under_x64(shape):
         assert row[count:] == [-1] * (4 - count)
 
 
+def test_several_end_tokens_each_end_a_row_losslessly():
+    """Serving engines stop at any of several end-of-sequence ids."""
+    draft, target = markov_pair(3, 1, seed=6)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4, end_token=[1, 2])
+    assert loop.end_token == (1, 2) and loop.end_tokens == (1, 2)
+    expected = speculax.testing.target_output_distribution(target, [0], 4, (1, 2))
+    # Not vacuous: sequences cut short by each of the two.
+    assert {tokens[-1] for tokens in expected if len(tokens) < 4} == {1, 2}
+    assert speculax.testing.loop_lossless_error(loop, draft, target, [0]) < 1e-12
+    out = loop(draft, target, jnp.zeros((64, 1), jnp.int32), key=jax.random.key(3))
+    for row, count in zip(
+        out["tokens"].tolist(), out["num_tokens"].tolist(), strict=True
+    ):
+        assert not {1, 2} & set(row[: count - 1]), "a row runs on past an end token"
+        assert count == 4 or row[count - 1] in (1, 2)
+    with pytest.raises(ValueError, match="end_token must hold at least one token"):
+        speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4, end_token=())
+    wide = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=4, end_token=(1, 3))
+    with pytest.raises(ValueError, match=r"end_token must lie in \[0, V\) = \[0, 3\)"):
+        wide(draft, target, jnp.zeros((1, 1), jnp.int32), key=jax.random.key(0))
+
+
 @pytest.mark.parametrize(
     "parameters",
     [{"temperature": 0.7}, {"top_k": 2}, {"temperature": jnp.array([0.0, 0.5])}],

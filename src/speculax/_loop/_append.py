@@ -25,7 +25,7 @@ def append_verified(
     caches: tuple[Cache, Cache],
     verified: Verified,
     max_new_tokens: int,
-    end_token: int | None,
+    end_tokens: tuple[int, ...],
 ) -> LoopState:
     """Appends to each unfinished row the step's tokens, the kept drafts (or the
     accepted path) then the drawn token, as many as fit in the row's remaining room
@@ -41,7 +41,7 @@ def append_verified(
         round.
     - `verified`: what the step kept, as `Verified`.
     - `max_new_tokens`: $N$, a static integer.
-    - `end_token`: the static token id that ends a row, or `None`.
+    - `end_tokens`: the static token ids that end a row, none for none.
 
     **Returns:**
 
@@ -51,7 +51,7 @@ def append_verified(
     """
     rows = jnp.arange(buffer.shape[0])
     offsets = jnp.arange(verified.tokens.shape[1])
-    count, ended = _appended_count(state, verified, max_new_tokens, end_token)
+    count, ended = _appended_count(state, verified, max_new_tokens, end_tokens)
     active = ~state.done
     count = jnp.where(active, count, 0)
     written = jnp.where(
@@ -82,7 +82,10 @@ def append_verified(
 
 
 def _appended_count(
-    state: LoopState, verified: Verified, max_new_tokens: int, end_token: int | None
+    state: LoopState,
+    verified: Verified,
+    max_new_tokens: int,
+    end_tokens: tuple[int, ...],
 ) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
     """How many of the step's tokens each row takes, finished or not: the kept
     drafts and the drawn token, at most the room left before `max_new_tokens`, and
@@ -91,8 +94,10 @@ def _appended_count(
     room = max_new_tokens - (state.length - state.prompt_length)
     count = jnp.minimum(verified.num_accepted + 1, room)
     ended = jnp.zeros(state.length.shape, jnp.bool_)
-    if end_token is not None:
-        is_end = (verified.tokens == end_token) & (offsets < count[:, None])
+    if end_tokens:
+        is_end = jnp.isin(verified.tokens, jnp.asarray(end_tokens)) & (
+            offsets < count[:, None]
+        )
         ended = is_end.any(axis=1)
         # argmax is int64 under x64; the loop's carry keeps lengths in int32.
         first_end = jnp.argmax(is_end, axis=1).astype(count.dtype)

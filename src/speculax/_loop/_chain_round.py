@@ -35,7 +35,7 @@ def chain_round(
     step: SpeculativeStep | LogitsStep,
     draft_sampling: AbstractDraftSampling,
     max_new_tokens: int,
-    end_token: int | None,
+    end_tokens: tuple[int, ...],
 ) -> LoopState:
     """One round with a chain of $G$ drafts, as
     [`speculax.SpeculativeLoop.advance`][] runs it, from the `(draft, accept,
@@ -60,7 +60,7 @@ def chain_round(
         (draft_cache, target_cache),
         Verified(verified["num_accepted"], verified["tokens"]),
         max_new_tokens,
-        end_token,
+        end_tokens,
     )
 
 

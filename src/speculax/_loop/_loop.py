@@ -1,5 +1,6 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
+from collections.abc import Sequence
 from typing import final
 
 import equinox as eqx
@@ -30,6 +31,16 @@ from ._sampling import (
 )
 from ._state import LoopOutput, LoopState
 from ._tree_round import tree_round
+
+
+def _end_token_ids(
+    value: int | Sequence[int] | None,
+) -> int | tuple[int, ...] | None:
+    """`end_token` as the loop keeps it, a static field: several ids as a tuple,
+    which hashes, whatever sequence they came in."""
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    return value
 
 
 @final
@@ -96,8 +107,9 @@ class SpeculativeLoop(eqx.Module):
         other kind raises a `TypeError`. It must check values and raise
         (`check_values=True`, `throw=True`, the defaults). Default
         `SpeculativeStep()`.
-    - `end_token`: a static token id that ends a row when generated, or `None` (the
-        default) for none.
+    - `end_token`: a static token id that ends a row when generated, a tuple of
+        them (any of which ends it, as serving engines take several end-of-sequence
+        ids), or `None` (the default) for none.
     - `key_schedule`: the [`speculax.AbstractKeySchedule`][] of the random numbers;
         default
         [`speculax.FoldInKeys`][], under which none is used twice.
@@ -142,7 +154,9 @@ class SpeculativeLoop(eqx.Module):
     step: SpeculativeStep | LogitsStep | AbstractTreeStep = eqx.field(
         default=SpeculativeStep(), kw_only=True
     )
-    end_token: int | None = eqx.field(static=True, default=None, kw_only=True)
+    end_token: int | tuple[int, ...] | None = eqx.field(
+        static=True, default=None, kw_only=True, converter=_end_token_ids
+    )
     key_schedule: AbstractKeySchedule = eqx.field(default=FoldInKeys(), kw_only=True)
     draft_sampling: AbstractDraftSampling = eqx.field(
         default=SameAsTarget(), kw_only=True
@@ -167,8 +181,19 @@ class SpeculativeLoop(eqx.Module):
         if self.num_draft is not None:
             check_static_int("num_draft", self.num_draft, minimum=0)
         check_static_int("max_new_tokens", self.max_new_tokens, minimum=1)
-        if self.end_token is not None:
-            check_static_int("end_token", self.end_token, minimum=0)
+        if self.end_token is not None and not self.end_tokens:
+            raise ValueError("end_token must hold at least one token id, or be None")
+        for token in self.end_tokens:
+            check_static_int("end_token", token, minimum=0)
+
+    @property
+    def end_tokens(self) -> tuple[int, ...]:
+        """The token ids that end a row: `end_token` as a tuple, empty for `None`."""
+        if self.end_token is None:
+            return ()
+        if isinstance(self.end_token, tuple):
+            return self.end_token
+        return (self.end_token,)
 
     @property
     def num_nodes(self) -> int:
@@ -381,7 +406,7 @@ class SpeculativeLoop(eqx.Module):
                 self.step,
                 self.draft_sampling,
                 self.max_new_tokens,
-                self.end_token,
+                self.end_tokens,
             )
         assert self.num_draft is not None
         assert isinstance(self.step, SpeculativeStep | LogitsStep)
@@ -393,7 +418,7 @@ class SpeculativeLoop(eqx.Module):
             self.step,
             self.draft_sampling,
             self.max_new_tokens,
-            self.end_token,
+            self.end_tokens,
         )
 
     def output(self, state: LoopState) -> LoopOutput:
@@ -574,7 +599,7 @@ def _generate(
     ).shape[-1]
     if loop.draft_tree is not None:
         loop.draft_tree.check_vocabulary(vocab)
-    if loop.end_token is not None and loop.end_token >= vocab:
+    if any(token >= vocab for token in loop.end_tokens):
         raise ValueError(
             f"end_token must lie in [0, V) = [0, {vocab}); got {loop.end_token}"
         )

@@ -103,7 +103,7 @@ def tree_round(
     step: AbstractTreeStep,
     draft_sampling: AbstractDraftSampling,
     max_new_tokens: int,
-    end_token: int | None,
+    end_tokens: tuple[int, ...],
 ) -> LoopState:
     """One round with a draft tree, as [`speculax.SpeculativeLoop.advance`][] runs
     it, from the `(draft, accept, sample)` uniforms: draft, score, verify, keep the
@@ -129,7 +129,9 @@ def tree_round(
         tree,
     )
     kept = Verified(verified["num_accepted"], verified["tokens"][:, : tree.depth + 1])
-    return append_verified(state, state.buffer, caches, kept, max_new_tokens, end_token)
+    return append_verified(
+        state, state.buffer, caches, kept, max_new_tokens, end_tokens
+    )
 
 
 def draft_tree(

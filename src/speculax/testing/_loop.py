@@ -205,7 +205,7 @@ def target_output_distribution(
     target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     max_new_tokens: int,
-    end_token: int | None = None,
+    end_token: int | Sequence[int] | None = None,
     *,
     temperature: ArrayLike | None = None,
     top_k: ArrayLike | None = None,
@@ -226,7 +226,8 @@ def target_output_distribution(
     - `target_model`: a [`speculax.LanguageModel`][].
     - `prompt`: one prompt, a sequence of at least one token.
     - `max_new_tokens`: the number of tokens to sample.
-    - `end_token`: the token that ends a sequence, or `None`.
+    - `end_token`: the token that ends a sequence, a sequence of such tokens, or
+        `None`.
     - `temperature`, `top_k`, `top_p`: keyword only, the sampling parameters, each
         a Python number or a scalar: each token is drawn from the target's logits
         under them, by [`speculax.probs_from_logits`][]. `None` each, the default,
@@ -237,6 +238,7 @@ def target_output_distribution(
     A dict from each token sequence to its probability.
     """
     prompt = _checked_prompt(prompt, target_model)
+    end_tokens = () if end_token is None else np.atleast_1d(end_token).tolist()
     finished: dict[tuple[int, ...], float] = {}
     states = {(): 1.0}
     with jax.enable_x64(True):
@@ -257,7 +259,7 @@ def target_output_distribution(
             ):
                 for token in np.flatnonzero(row):
                     tokens = (*generated, int(token))
-                    ended = token == end_token or len(tokens) == max_new_tokens
+                    ended = token in end_tokens or len(tokens) == max_new_tokens
                     (finished if ended else next_states)[tokens] = float(
                         probability * row[token]
                     )
@@ -373,8 +375,9 @@ def _check_outcome(
     enumeration assumes would make the result wrong, not just slow."""
     implied = [*leaf.kept, leaf.sampled]
     implied = implied[: loop.max_new_tokens - len(before)]
-    if loop.end_token in implied:
-        implied = implied[: implied.index(loop.end_token) + 1]
+    ends = [k for k, token in enumerate(implied) if token in loop.end_tokens]
+    if ends:
+        implied = implied[: ends[0] + 1]
     added = list(after[len(before) :])
     if num_accepted == len(leaf.kept) and added == implied:
         return
