@@ -1,6 +1,5 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
-from collections.abc import Sequence
 from typing import final
 
 import equinox as eqx
@@ -34,7 +33,7 @@ from ._tree_round import tree_round
 
 
 def _end_token_ids(
-    value: int | Sequence[int] | None,
+    value: int | tuple[int, ...] | list[int] | None,
 ) -> int | tuple[int, ...] | None:
     """`end_token` as the loop keeps it, a static field: several ids as a tuple,
     which hashes, whatever sequence they came in."""
