@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 # Runtime type checking, as in the pytest run that starts this process.
@@ -607,6 +607,34 @@ def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     return found
 
 
+def check_probs_from_logits(devices: np.ndarray) -> dict:
+    """`probs_from_logits` of logits split over the vocabulary (and the batch), each
+    request under its own temperature, top-k and top-p: for each mesh, the
+    partition spec of the probabilities (the input's, where none is gathered) and
+    whether they are those of one device bit for bit."""
+    rng = np.random.default_rng(5)
+    logits = (3 * rng.normal(size=(4, 3, TREE_VOCAB))).astype(np.float32)
+    parameters = {
+        "temperature": np.array([0.0, 0.7, 1.0, 1.3], np.float32),
+        "top_k": np.array([0, 5, 0, 40]),
+        "top_p": np.array([1.0, 0.9, 0.5, 0.8], np.float32),
+    }
+    want = np.asarray(speculax.probs_from_logits(logits, **parameters))
+    found = {}
+    for mesh_name, spec in (
+        ("2x4", PartitionSpec("data", None, "vocab")),
+        ("1x8", PartitionSpec(None, None, "vocab")),
+    ):
+        mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
+        split = jax.device_put(logits, NamedSharding(mesh, spec))
+        got = speculax.probs_from_logits(split, **parameters)
+        found[mesh_name] = {
+            "spec": list(got.sharding.spec),
+            "same": bool(np.array_equal(np.asarray(got), want)),
+        }
+    return found
+
+
 def raised(f, **args) -> str | None:
     try:
         jax.block_until_ready(f(**args))
@@ -632,6 +660,7 @@ def main() -> None:
     if quick:
         result["trees"] = check_trees(devices, quick=True)
         result["logits"] = check_logits(devices, quick=True)
+        result["probs_from_logits"] = check_probs_from_logits(devices)
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
     f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)

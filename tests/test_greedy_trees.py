@@ -195,6 +195,32 @@ def test_both_row_strategies_verify_greedy_trees_alike():
         np.testing.assert_array_equal(answers[0][name], answers[1][name])
 
 
+@pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
+def test_greedy_trees_take_logits_unchecked_and_refuse_them_checked(strategy):
+    """Greedy verification reads only which token of a row is most likely, so
+    logits (every value negative, the final rows' included) give the tokens of
+    their probabilities once the value checks, which read probabilities, are off;
+    with the checks on, the logits are refused by name."""
+    import speculax
+
+    inputs = _greedy_inputs(7, 24, 30)
+    logits = np.log(inputs["target_probs"]) - 3.0
+    assert logits.max() < 0
+    with speculax.row_strategy(strategy):
+        unchecked = eqx.filter_jit(speculax.greedy_tree_step(check_values=False))
+        want = unchecked(draft_probs=None, **inputs)
+        got = unchecked(
+            inputs["parents"], inputs["tree_tokens"], None, logits.astype(np.float32)
+        )
+        for name in ("num_accepted", "tokens", "accepted_nodes"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert np.all(np.asarray(got["tokens"])[:, 0] >= 0)
+        with pytest.raises(Exception, match="target_probs"):
+            speculax.greedy_tree_step()(
+                inputs["parents"], inputs["tree_tokens"], None, logits
+            )
+
+
 def _most_likely_model(prefix):
     """A model over 4 tokens whose most likely token depends on the prefix."""
     rng = np.random.default_rng([3, len(prefix), *prefix])

@@ -395,6 +395,16 @@ def test_the_logits_step_on_a_mesh_of_both_axes_is_the_step_on_one_device(quick)
     assert quick["logits"]["logits throw=False"]["2x4"]["one at a time"]
 
 
+def test_probs_from_logits_keeps_the_vocabulary_split(quick):
+    """Logits split over the vocabulary (with the batch, or alone) give
+    probabilities split as they are, as `jax.nn.softmax` keeps its input's
+    sharding, and bit for bit those of one device, per-request parameters mixed."""
+    assert quick["probs_from_logits"] == {
+        "2x4": {"spec": ["data", None, "vocab"], "same": True},
+        "1x8": {"spec": [None, None, "vocab"], "same": True},
+    }
+
+
 @pytest.mark.slow
 def test_the_row_statistics_on_a_split_vocabulary_are_those_of_one_device(logits):
     """The largest logit and its index, the thresholds and the normalisers of the

@@ -264,6 +264,24 @@ def test_greedy_step_never_reads_draft_probs(bad):
     np.testing.assert_array_equal(out["tokens"], want["tokens"])
 
 
+def test_greedy_step_takes_logits_unchecked_and_refuses_them_checked():
+    """Greedy verification reads only which token of a row is most likely: logits
+    whose every value is negative give the tokens of their probabilities once the
+    value checks are off, and are refused by name with the checks on."""
+    import speculax
+
+    inputs = random_inputs(4, 16, 3, 6)
+    logits = np.log(inputs["target_probs"]) - 3.0
+    assert logits.max() < 0
+    unchecked = eqx.filter_jit(speculax.greedy_step(check_values=False))
+    want = unchecked(inputs["draft_tokens"], None, inputs["target_probs"])
+    got = unchecked(inputs["draft_tokens"], None, logits)
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    assert np.all(np.asarray(got["tokens"])[:, 0] >= 0)
+    with pytest.raises(Exception, match="target_probs"):
+        _greedy()(inputs["draft_tokens"], None, logits)
+
+
 def test_argmax_sampler_and_target_row_by_hand():
     import speculax
 

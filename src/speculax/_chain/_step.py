@@ -415,7 +415,10 @@ def greedy_step(
 ) -> SpeculativeStep:
     """The step of greedy verification: a draft token passes when it is the target's
     most likely token, and the correction or bonus token is the target's most likely
-    token at the stopping position. No uniforms are read.
+    token at the stopping position. No uniforms are read. Since only which token of
+    a row is most likely is read, logits give the tokens of their probabilities
+    where `check_values=False` (the value checks read probabilities, and refuse
+    logits by name).
 
     **Arguments:**
 

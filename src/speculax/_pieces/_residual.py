@@ -473,13 +473,12 @@ def _target_argmax(
     target_probs: Float[Array, "batch positions vocab"],
     axis_name: str | None,
 ) -> Int[Array, " batch"]:
-    """`Argmax` of `TargetRow`'s weights: the argmax of $p_n$, or -1 where its
-    largest weight is zero (below the smallest normal number counting as zero),
-    taken from the argmax of every target row, the computation of
-    [`speculax.GreedyAcceptance`][], which XLA merges with it, so that no row is
-    read twice and no `(batch, vocab)` copy of $p_n$ is made."""
-    token, largest = first_argmax_over_vocab(target_probs, axis_name)
-    at_stop = num_accepted[:, None]
-    token = jnp.take_along_axis(token, at_stop, axis=1)[:, 0]
-    largest = jnp.take_along_axis(largest, at_stop, axis=1)[:, 0]
-    return jnp.where(upcast(largest) > 0, token, -1)
+    """`Argmax` of `TargetRow`'s weights: the first argmax of $p_n$, taken from the
+    argmax of every target row, the computation of [`speculax.GreedyAcceptance`][],
+    which XLA merges with it, so that no row is read twice and no `(batch, vocab)`
+    copy of $p_n$ is made. Greedy verification reads only which token is most
+    likely: unlike `Argmax` on a row without mass, a row whose largest value is not
+    positive (logits, with `check_values=False`) still gives its most likely
+    token, not -1."""
+    token, _ = first_argmax_over_vocab(target_probs, axis_name)
+    return jnp.take_along_axis(token, num_accepted[:, None], axis=1)[:, 0]

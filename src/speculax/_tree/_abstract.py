@@ -28,6 +28,7 @@ from .._core._numerics import (
 from .._core._row_strategy import rows_one_at_a_time
 from .._core._vocab_axis import (
     any_over_vocab,
+    first_argmax_over_vocab,
     full_vocab,
     gather_blocks,
     ordered_row_sums,
@@ -258,6 +259,13 @@ class AbstractTreeStep(eqx.Module):
         """Whether the walk reads `draft_probs`; where it does not, it walks the
         drafts as deterministic."""
 
+    @property
+    @abc.abstractmethod
+    def _draws_most_likely(self) -> bool:
+        """Whether the final token is the most likely target token of the node the
+        walk ended at, whatever its rejected children: greedy verification, which
+        reads only which token of a row is most likely, and so takes logits too."""
+
     @abc.abstractmethod
     def _walk(
         self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
@@ -299,7 +307,15 @@ class AbstractTreeStep(eqx.Module):
             lanes=summation_lanes(target_probs, draft_probs),
             sample_uniforms=sample_uniforms,
         )
-        if walks.takes_out:
+        if self._draws_most_likely:
+            # The rejected children, never the most likely token, leave it in place:
+            # no row is drawn from, and a row of logits gives the same token.
+            drawn, _ = first_argmax_over_vocab(own_row, self.axis_name)
+            total = ordered_row_sums(own_row, self.axis_name)
+            bad_row = any_over_vocab(
+                jnp.any(not_a_probability(own_row), axis=-1), self.axis_name
+            )
+        elif walks.takes_out:
             # The walk read no row whole: the one drawn from is checked here.
             drawn, total, bad_row = draw_taken_out(
                 draw, walks, parents, tree_tokens, own_row, self.axis_name

@@ -69,6 +69,16 @@ class TreeStep(AbstractTreeStep):
     def _reads_draft_probs(self) -> bool:
         return self.child_test.reads_draft_probs
 
+    @property
+    def _draws_most_likely(self) -> bool:
+        # All three are final: what a failed greedy child leaves under the
+        # independent rule holds the same most likely token, which Argmax draws.
+        return (
+            isinstance(self.child_test, GreedyChildTest)
+            and isinstance(self.siblings, IndependentSiblings)
+            and isinstance(self.sampler, Argmax)
+        )
+
     def _walk(
         self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
     ) -> TreeWalk:
@@ -226,6 +236,9 @@ def greedy_tree_step(
     token is the most likely target token at the end of the path. No uniforms and
     no draft probabilities are read; every target row is read once, for its most
     likely token, and the walk reads nothing else of it but the row it ends at.
+    Since only which token is most likely is read, logits give the tokens of their
+    probabilities where `check_values=False` (the value checks read probabilities,
+    and refuse logits by name).
 
     The same answers as [`speculax.TreeStep`][] with `draft_probs=None` on the
     one-hot rows of the most likely tokens, without making them (`docs/trees.md`,

@@ -147,6 +147,10 @@ class TraversalStep(AbstractTreeStep):
     def _reads_draft_probs(self) -> bool:
         return True
 
+    @property
+    def _draws_most_likely(self) -> bool:
+        return False
+
     def _walk(
         self, max_depth: int, parents: Int[Array, "batch nodes"], rows: TreeRows
     ) -> TreeWalk:
