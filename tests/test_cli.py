@@ -5,6 +5,7 @@ import subprocess
 import sys
 import warnings
 
+import equinox as eqx
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -56,7 +57,7 @@ def _with(**changes):
         ("{not json", "malformed JSON"),
         ("[1, 2]", "expected a JSON object"),
         (json.dumps({"draft_tokens": [[1]]}), "missing key(s): draft_probs"),
-        (_with(extra=1), "unknown key(s): extra"),
+        (_with(extra=1), "unknown key(s) for a chain step: extra"),
         (_with(draft_probs=[[[0.2, 0.8]]]), "draft_probs must have shape (B, G, V)"),
         (_with(draft_tokens=[[3.0, 2.0]]), "draft_tokens must have an integer dtype"),
         (_with(draft_tokens=[[3, "a"]]), "draft_tokens is not a rectangular array"),
@@ -414,3 +415,109 @@ def test_the_documented_usage_is_the_parser_s(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert capsys.readouterr().out == documented
+
+
+_TREE = {
+    # Two children of the root, tokens 1 and 2; node 2 has a child, token 0.
+    "parents": [[0, 0, 2], [0, 1, 1]],
+    "tree_tokens": [[1, 2, 0], [2, 0, 1]],
+    "draft_probs": [
+        [[0.2, 0.3, 0.5], [0.5, 0.5, 0.0], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]],
+        [[0.2, 0.2, 0.6], [0.6, 0.2, 0.2], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]],
+    ],
+    "target_probs": [
+        [[0.1, 0.3, 0.6], [1.0, 0.0, 0.0], [0.2, 0.5, 0.3], [0.0, 0.0, 1.0]],
+        [[0.1, 0.1, 0.8], [0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]],
+    ],
+    "accept_uniforms": [[0.5, 0.2, 0.9], [0.1, 0.7, 0.3]],
+    "sample_uniforms": [0.4, 0.8],
+}
+_LOGITS = {
+    "draft_tokens": [[2, 1], [0, 0], [1, 2]],
+    "draft_logits": [
+        [[0.1, 0.3, 2.0], [0.5, 1.5, 0.0]],
+        [[2.0, 0.3, 0.1], [1.5, 0.5, 0.0]],
+        [[0.1, 2.0, 0.3], [0.0, 0.5, 1.5]],
+    ],
+    "target_logits": [[[0.1, 0.3, 1.6], [1.0, 0.0, 0.0], [0.2, 0.5, 0.3]]] * 3,
+    "accept_uniforms": [[0.3, 0.6], [0.9, 0.1], [0.2, 0.4]],
+    "sample_uniforms": [0.7, 0.2, 0.5],
+    "temperature": [0.0, 0.7, 1.3],
+    "top_k": [0, 2, 0],
+    "top_p": 0.9,
+}
+
+
+def _run_json(inputs, tmp_path, capsys):
+    status, out, err = _run_text(json.dumps(inputs).encode(), tmp_path, capsys)
+    assert status == 0, err
+    return json.loads(out)
+
+
+def test_run_verifies_a_tree_given_parents(tmp_path, capsys):
+    """An object with `parents` runs `TreeStep`, on its uniforms or drawn from a
+    seed, deterministic drafts for `draft_probs: null`; the output holds the
+    accepted nodes too."""
+    import jax
+    import numpy as np
+
+    import speculax
+
+    # Jitted: the step op by op takes seconds.
+    step = eqx.filter_jit(speculax.TreeStep())
+    seeded = {k: v for k, v in _TREE.items() if not k.endswith("_uniforms")}
+    cases = [
+        (_TREE, step(**_TREE)),
+        ({**seeded, "seed": 5}, step(**seeded, key=jax.random.key(5))),
+        (
+            {**_TREE, "draft_probs": None},
+            step(**{**_TREE, "draft_probs": None}),
+        ),
+    ]
+    for inputs, want in cases:
+        assert _run_json(inputs, tmp_path, capsys) == {
+            name: np.asarray(want[name]).tolist()
+            for name in ("num_accepted", "tokens", "accepted_nodes")
+        }
+
+
+def test_run_verifies_logits_under_sampling_parameters(tmp_path, capsys):
+    """An object with `target_logits` runs `LogitsStep`, its temperature, top-k
+    and top-p given one per row or one for all (one compilation, which the bad
+    parameters below share)."""
+    import numpy as np
+
+    import speculax
+
+    arrays = {
+        k: np.asarray(v) if isinstance(v, list) else v for k, v in _LOGITS.items()
+    }
+    want = eqx.filter_jit(speculax.LogitsStep())(**arrays)
+    assert _run_json(_LOGITS, tmp_path, capsys) == {
+        name: np.asarray(want[name]).tolist() for name in ("num_accepted", "tokens")
+    }
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({**_TREE, "target_logits": [[[0.0]]]}, "give parents (a tree step) or"),
+        ({**_TREE, "temperature": 0.5}, "unknown key(s) for a tree step: temperature"),
+        ({**_LOGITS, "target_probs": [[[0.5]]]}, "for a logits step: target_probs"),
+        ({**_TREE, "parents": [[0, 2**32, 2], [0, 1, 1]]}, "row 0: parents"),
+        ({**_TREE, "tree_tokens": [[1, 2, 0], [2, 2**32, 1]]}, "row 1: tree_tokens"),
+        ({**_LOGITS, "temperature": -1}, "temperature must be finite"),
+        ({**_LOGITS, "temperature": [0.5, -1, 1]}, "row 1: temperature"),
+        ({**_LOGITS, "top_k": 1.5}, "top_k must have an integer dtype"),
+        ({**_LOGITS, "top_p": [0.5, True, 1]}, "top_p is not a rectangular array"),
+        (
+            {k: v for k, v in _LOGITS.items() if k != "draft_logits"},
+            "missing key(s): draft_logits",
+        ),
+    ],
+)
+def test_run_refuses_bad_trees_and_logits_in_one_line(
+    inputs, message, tmp_path, capsys
+):
+    data = json.dumps(inputs).encode()
+    _assert_one_line(*_run_text(data, tmp_path, capsys), message)

@@ -268,11 +268,13 @@ def verify_through_probs(
 ) -> StepOutput:
     """What a user does without `LogitsStep`: `probs_from_logits` on both arrays,
     then the default step."""
-    parameters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    probs = functools.partial(
+        probs_from_logits, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     return SpeculativeStep()(
         draft_tokens,
-        probs_from_logits(draft_logits, **parameters),
-        probs_from_logits(target_logits, **parameters),
+        probs(draft_logits),
+        probs(target_logits),
         accept_uniforms,
         sample_uniforms,
     )

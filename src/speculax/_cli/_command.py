@@ -7,13 +7,12 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
 
 if TYPE_CHECKING:
-    from .._chain._step import StepOutput
     from .._core._failures import RESULTS
     from .._inputs._random import KeyArray
 
@@ -27,6 +26,35 @@ INPUT_NAMES = (
 UNIFORM_NAMES = ("accept_uniforms", "sample_uniforms")
 # jax.random.key reads a seed modulo 2^32: a larger one would be another seed.
 SEED_LIMIT = 2**32
+# Read as integers by value, never as floats.
+INTEGER_NAMES = ("draft_tokens", "parents", "tree_tokens", "top_k")
+SAMPLING_NAMES = ("temperature", "top_k", "top_p")
+NULLABLE_NAMES = ("draft_probs", "draft_logits")
+
+
+class _Kind(NamedTuple):
+    """A kind of input `speculax run` takes, known by a key only it has: the arrays
+    its step is called with, in order (the uniforms last; the second may be
+    `null`), the keyword parameters it may be given, and its output's keys."""
+
+    arrays: tuple[str, ...]
+    parameters: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+KINDS = {
+    "chain": _Kind(INPUT_NAMES, (), ("num_accepted", "tokens")),
+    "tree": _Kind(
+        ("parents", "tree_tokens", "draft_probs", "target_probs", *UNIFORM_NAMES),
+        (),
+        ("num_accepted", "tokens", "accepted_nodes"),
+    ),
+    "logits": _Kind(
+        ("draft_tokens", "draft_logits", "target_logits", *UNIFORM_NAMES),
+        SAMPLING_NAMES,
+        ("num_accepted", "tokens"),
+    ),
+}
 
 
 class InputError(Exception):
@@ -76,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_demo_parser(commands)
     run_parser = commands.add_parser(
         "run",
-        help="run one step on a JSON object of the five inputs, or of three and a "
-        "seed for the uniforms",
+        help="run one step on a JSON object of its inputs, uniforms or a seed: a "
+        "chain, a tree (given parents) or logits (given target_logits)",
     )
     run_parser.add_argument(
         "file", nargs="?", help="JSON file to read (default: standard input)"
@@ -273,14 +301,16 @@ def _finite_float(text: str) -> float:
 
 
 def step_json(inputs: Any) -> dict[str, list]:
-    """Runs the default step on a decoded JSON object, as
-    [`speculax.speculative_step`][] does, reading its failures as codes
-    (`throw=False`).
+    """Runs a step on a decoded JSON object, reading its failures as codes
+    (`throw=False`): the default chain step, as [`speculax.speculative_step`][]
+    does; [`speculax.TreeStep`][] where the object holds `parents`; and
+    [`speculax.LogitsStep`][] where it holds `target_logits`.
 
-    The object holds the five inputs under their argument names, `draft_probs`
-    `null` for deterministic drafts; or, instead of the two uniform arrays, a
-    `seed` in $[0, 2^{32})$, from which the step draws them as with
-    `key=jax.random.key(seed)`.
+    The object holds the step's inputs under their argument names, `draft_probs`
+    (or `draft_logits`) `null` for deterministic drafts; or, instead of the two
+    uniform arrays, a `seed` in $[0, 2^{32})$, from which the step draws them as
+    with `key=jax.random.key(seed)`. Logits may come with `temperature`, `top_k`
+    and `top_p`, each a number or one per row.
 
     **Raises:**
 
@@ -288,51 +318,91 @@ def step_json(inputs: Any) -> dict[str, list]:
     bad values, the first failing row and its [`speculax.RESULTS`][] message.
     """
     from .._core._failures import failure_messages
-    from .._core._numerics import index_array
 
     if not isinstance(inputs, dict):
         raise InputError(
             f"expected a JSON object with the keys {', '.join(INPUT_NAMES)}"
         )
+    name = _kind_of(inputs)
+    kind = KINDS[name]
     seeded = "seed" in inputs
-    names = [name for name in INPUT_NAMES if not (seeded and name in UNIFORM_NAMES)]
-    missing = [name for name in names if name not in inputs]
+    names = [n for n in kind.arrays if not (seeded and n in UNIFORM_NAMES)]
+    missing = [n for n in names if n not in inputs]
     if missing:
         raise InputError(f"missing key(s): {', '.join(missing)}")
-    if seeded and any(name in inputs for name in UNIFORM_NAMES):
+    if seeded and any(n in inputs for n in UNIFORM_NAMES):
         raise InputError(
             "give either seed or accept_uniforms and sample_uniforms, not both"
         )
-    unknown = sorted(set(inputs) - {*INPUT_NAMES, "seed"})
+    unknown = sorted(set(inputs) - {*kind.arrays, *kind.parameters, "seed"})
     if unknown:
-        raise InputError(f"unknown key(s): {', '.join(unknown)}")
-    draft_tokens = _as_array("draft_tokens", inputs["draft_tokens"])
-    # null draft_probs: deterministic drafts, q_i the one-hot of x_i.
-    draft_probs = inputs["draft_probs"]
-    if draft_probs is not None:
-        draft_probs = _as_array("draft_probs", draft_probs)
-    arrays = [_as_array(name, inputs[name]) for name in names[2:]]
-    noise = {"key": _key(inputs["seed"])} if seeded else {}
+        raise InputError(f"unknown key(s) for a {name} step: {', '.join(unknown)}")
+    # A null second array: deterministic drafts, q_i the one-hot of x_i.
+    arrays = [
+        None if n in NULLABLE_NAMES and inputs[n] is None else _input(n, inputs[n])
+        for n in names
+    ]
+    keywords: dict[str, Any] = {
+        n: _parameter(n, inputs[n]) for n in kind.parameters if n in inputs
+    }
+    if seeded:
+        keywords["key"] = _key(inputs["seed"])
     try:
-        # Outside the jit: a NumPy int64 token must be checked before JAX narrows it.
-        out, result = _reporting_step()(
-            index_array(draft_tokens), draft_probs, *arrays, **noise
-        )
+        out, result = _reporting_step(name)(*arrays, **keywords)
     except (ValueError, TypeError) as error:
         raise InputError(str(error)) from None
     for row, message in enumerate(failure_messages(result)):
         if message:
             raise InputError(f"row {row}: {message}")
-    return {name: np.asarray(out[name]).tolist() for name in ("num_accepted", "tokens")}
+    return {n: np.asarray(out[n]).tolist() for n in kind.outputs}
+
+
+def _kind_of(inputs: dict[str, Any]) -> str:
+    """The kind of step an object asks for, by the key only that kind has."""
+    marks = {"tree": "parents", "logits": "target_logits"}
+    found = [name for name, key in marks.items() if key in inputs]
+    if len(found) > 1:
+        raise InputError(
+            "give parents (a tree step) or target_logits (the logits step), not both"
+        )
+    return found[0] if found else "chain"
+
+
+def _parameter(name: str, value: Any) -> Any:
+    """A sampling parameter of the logits step: a JSON number, read as a Python
+    number (its range checked now) or an array of one per row; `null` for `top_k`
+    and `top_p` keeps all."""
+    if value is None and name != "temperature":
+        return None
+    if type(value) in (int, float):
+        return value
+    return _input(name, value)
+
+
+def _input(name: str, value: Any) -> Any:
+    """A JSON value as the array the step takes, integers narrowed by value outside
+    the jit (which would wrap a NumPy `int64` such as $2^{32} + 1$ to 1): a token
+    out of range stays out of range, a parent too (-1 marks an unused slot), and a
+    `top_k` beyond `int32` keeps all, as it does."""
+    from .._core._numerics import index_array
+
+    array = _as_array(name, value)
+    if name not in INTEGER_NAMES:
+        return array
+    return index_array(array, {"parents": -2, "top_k": None}.get(name, -1))
 
 
 @functools.cache
-def _reporting_step() -> Callable[..., tuple["StepOutput", "RESULTS"]]:
+def _reporting_step(kind: str) -> Callable[..., tuple[Any, "RESULTS"]]:
+    """The jitted `with_result` of the step of a kind of input."""
     import equinox as eqx
 
     from .._chain._step import SpeculativeStep
+    from .._logits._step import LogitsStep
+    from .._tree._recursive import TreeStep
 
-    return eqx.filter_jit(SpeculativeStep(throw=False).with_result)
+    step = {"chain": SpeculativeStep, "tree": TreeStep, "logits": LogitsStep}[kind]
+    return eqx.filter_jit(step(throw=False).with_result)
 
 
 def _key(seed: Any) -> "KeyArray":
@@ -361,7 +431,7 @@ def _as_array(name: str, value: Any) -> np.ndarray:
         array = np.asarray(value)
     except (ValueError, TypeError, OverflowError, RecursionError):
         raise not_numbers from None
-    if name == "draft_tokens":
+    if name in INTEGER_NAMES:
         from .._core._numerics import host_integers
 
         if array.size == 0:
