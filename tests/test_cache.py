@@ -124,6 +124,37 @@ def test_cached_loop_gives_the_cacheless_tokens_bit_for_bit(num_draft, which):
     assert len(set(np.asarray(out["num_tokens"]).tolist())) > 1
 
 
+def test_a_cached_model_read_whole_is_the_model_without_a_cache():
+    """`FullRead` of the cached Markov model gives the plain model's logits at any
+    positions of any buffer, even with a cache that writes nothing (one call
+    reads everything); and the loop given it gives the cached loop's tokens bit for
+    bit, the check the docs recommend for a new cached model (which a faulty cache
+    fails: `test_a_faulty_cache_changes_the_tokens`)."""
+    draft, target = markov_pair(4, 2, seed=3)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 4, size=(5, 7)), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, 7, size=(5, 3)), jnp.int32)
+    want = target(tokens, positions)
+    for fault in (None, "writes nothing"):
+        got = speculax.FullRead(cached(target, fault))(tokens, positions)
+        np.testing.assert_array_equal(got, want, err_msg=str(fault))
+    # The shapes of the cached loop's test above, whose compilation it shares.
+    loop = bit_for_bit_loop(3)
+    prompt = jnp.asarray(rng.integers(0, 4, size=(48, 3)))
+    lengths = jnp.asarray(rng.integers(1, 4, size=48))
+    keys = jax.random.split(jax.random.key(3), 48)
+    models = {
+        "whole": (speculax.FullRead(cached(draft)), speculax.FullRead(cached(target))),
+        "cached": (cached(draft), cached(target)),
+    }
+    whole, out = (
+        loop(*pair, prompt, key=keys, prompt_lengths=lengths)
+        for pair in models.values()
+    )
+    for name in out:
+        np.testing.assert_array_equal(out[name], whole[name], err_msg=name)
+
+
 @pytest.mark.slow
 def test_a_faulty_cache_changes_the_tokens():
     # What the enumeration refuses below is a real fault of the jitted loop too.

@@ -33,6 +33,7 @@ from ._logits._step import LogitsStep as LogitsStep
 from ._loop._cache import (
     AbstractCachedModel as AbstractCachedModel,
     Cacheless as Cacheless,
+    FullRead as FullRead,
 )
 from ._loop._draft_tree import DraftTree as DraftTree
 from ._loop._keys import (

@@ -162,6 +162,48 @@ class Cacheless(AbstractCachedModel):
 
 
 @final
+class FullRead(eqx.Module):
+    """A [`speculax.AbstractCachedModel`][] read whole at every call, as a
+    [`speculax.LanguageModel`][]: the reference its cached reads must match.
+
+    Each call makes an empty cache as long as the buffer and reads every token of
+    it in one call of the model, at `cache_length = 0`, each token at its own
+    position and seeing those before it (a lower-triangular mask). What the model
+    returns there depends on no earlier call, so the loop given `FullRead(model)`
+    and the loop given `model` must give the same tokens for the same keys, up to
+    the rounding of the model's arithmetic (attention summed over the cache in
+    another order): the check `docs/loop.md` recommends for a new cached model.
+
+    **Arguments:**
+
+    - `model`: the [`speculax.AbstractCachedModel`][].
+    """
+
+    model: AbstractCachedModel
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch time"],
+        positions: Int[Array, "batch positions"],
+    ) -> Float[Array, "batch positions vocab"]:
+        """The logits after each of `positions`, from the whole buffer `tokens`, as
+        a [`speculax.LanguageModel`][] returns them."""
+        batch, length = tokens.shape
+        every = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        mask = jnp.broadcast_to(
+            jnp.tril(jnp.ones((length, length), bool)), (batch, length, length)
+        )
+        logits, _ = self.model(
+            tokens,
+            every,
+            mask,
+            self.model.init_cache(batch, length),
+            jnp.zeros((batch,), jnp.int32),
+        )
+        return jnp.take_along_axis(logits, positions[..., None], axis=1)
+
+
+@final
 class NamedModel(AbstractCachedModel):
     """A model as the loop calls it: its own calls, each checked at trace time
     against the interface of [`speculax.AbstractCachedModel`][] (logits of shape
