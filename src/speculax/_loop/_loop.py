@@ -1,6 +1,6 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
-from typing import final
+from typing import TypeVar, cast, final
 
 import equinox as eqx
 import jax
@@ -32,14 +32,24 @@ from ._state import LoopOutput, LoopState
 from ._tree_round import tree_round
 
 
+_Static = TypeVar("_Static", int, int | None)
+
+
+def _by_value(value: _Static) -> _Static:
+    """A static integer as the Python int of its value: a NumPy integer, which
+    runtime type checking would refuse for an `int`, is an array, and a static field
+    must not hold one. Anything else is left for the checks to name."""
+    return cast(_Static, int(value)) if isinstance(value, np.integer) else value
+
+
 def _end_token_ids(
     value: int | tuple[int, ...] | list[int] | None,
 ) -> int | tuple[int, ...] | None:
     """`end_token` as the loop keeps it, a static field: several ids as a tuple,
-    which hashes, whatever sequence they came in."""
+    which hashes, whatever sequence they came in; each read by value."""
     if isinstance(value, list | tuple):
-        return tuple(value)
-    return value
+        return tuple(_by_value(v) for v in value)
+    return _by_value(value)
 
 
 @final
@@ -147,8 +157,10 @@ class SpeculativeLoop(eqx.Module):
     ```
     """
 
-    max_new_tokens: int = eqx.field(static=True, kw_only=True)
-    num_draft: int | None = eqx.field(static=True, default=None, kw_only=True)
+    max_new_tokens: int = eqx.field(static=True, kw_only=True, converter=_by_value)
+    num_draft: int | None = eqx.field(
+        static=True, default=None, kw_only=True, converter=_by_value
+    )
     draft_tree: DraftTree | None = eqx.field(default=None, kw_only=True)
     step: SpeculativeStep | LogitsStep | AbstractTreeStep = eqx.field(
         default=SpeculativeStep(), kw_only=True
