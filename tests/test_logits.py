@@ -290,6 +290,42 @@ def test_one_compilation_serves_every_mix_of_parameters():
     assert len(traces) == 1
 
 
+def _program_size(step, batch: dict) -> int:
+    """The characters of `step`'s jaxpr for `batch`, Python numbers kept as they
+    are (the arrays become constants)."""
+    return len(str(jax.make_jaxpr(lambda: _run(step, batch))()))
+
+
+@pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
+def test_python_parameters_leave_out_what_no_row_needs(strategy):
+    """A temperature of 0 given as a Python number traces greedy verification alone
+    and reads no uniforms; no top-k and no top-p trace no truncation. Either way
+    the answers and result codes are those of the same values given as arrays, bit
+    for bit, rows with NaN, +inf or no finite logit included."""
+    batch = _mixed_batch(7, "float32", "sampled", True)
+    target = np.asarray(batch["target_logits"]).copy()
+    target[1, 0, 4], target[3, 1, 0], target[5, 0] = np.nan, np.inf, -np.inf
+    batch["target_logits"] = jnp.asarray(target)
+    ones, zeros = jnp.ones(BATCH), jnp.zeros(BATCH)
+    step = speculax.LogitsStep(throw=False).with_result
+    with speculax.row_strategy(strategy):
+        greedy = {**batch, "temperature": 0, "top_k": None, "top_p": None}
+        as_arrays = {**batch, "temperature": zeros, "top_k": None, "top_p": None}
+        without_uniforms = {**greedy, "accept_uniforms": None, "sample_uniforms": None}
+        untruncated = {**batch, "top_k": None, "top_p": None}
+        kept_as_arrays = {**batch, "top_k": jnp.zeros(BATCH, jnp.int32), "top_p": ones}
+        for python, arrays in [
+            (greedy, as_arrays),
+            (without_uniforms, as_arrays),
+            (untruncated, kept_as_arrays),
+        ]:
+            got, expected = _run(step, python), _run(step, arrays)
+            same = jax.tree.map(lambda a, b: a.tolist() == b.tolist(), got, expected)
+            assert all(jax.tree.leaves(same))
+            assert int(jnp.sum(got[1] != speculax.RESULTS.successful)) == 3
+            assert _program_size(step, python) < _program_size(step, arrays) / 2
+
+
 def test_greedy_rows_do_not_read_the_draft_logits():
     batch = _mixed_batch(3, "float32", "sampled", False)
     greedy = np.flatnonzero(np.asarray(batch["temperature"]) == 0)

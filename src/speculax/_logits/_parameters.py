@@ -21,11 +21,19 @@ class SamplingParameters(eqx.Module):
         Read by value in any integer dtype: a count `int32` cannot hold is its
         largest value, which keeps all too.
     - `top_p`: the probability mass kept; `1` keeps all.
+    - `all_greedy`: static, every row is greedy, known before tracing (a
+        temperature of 0 given as a Python number): nothing sampled is traced.
+    - `may_truncate`: static, whether any row may be truncated; `False` when that
+        is known before tracing (no top-$k$ and no top-$p$, or each given as a
+        Python number that keeps all, or every row greedy): no threshold search is
+        traced.
     """
 
     temperature: Float[Array, " batch"]
     top_k: Int[Array, " batch"]
     top_p: Float[Array, " batch"]
+    all_greedy: bool = eqx.field(static=True, default=False)
+    may_truncate: bool = eqx.field(static=True, default=True)
 
     def failures(self) -> list[Failure]:
         """The run-time checks of the values, in the order they are reported."""
@@ -96,7 +104,15 @@ def sampling_parameters(
         arrays[name] = jnp.broadcast_to(array.astype(want), (batch,))
     arrays["temperature"] = _without_subnormals(arrays["temperature"])
     arrays["top_p"] = _without_subnormals(arrays["top_p"])
-    return SamplingParameters(**arrays)
+    # What Python numbers say before tracing, so that the program leaves out what
+    # no row can need: a traced value may be anything, so it keeps every path.
+    all_greedy = isinstance(temperature, int | float) and temperature == 0
+    keeps_all = (top_k is None or (isinstance(top_k, int) and top_k == 0)) and (
+        top_p is None or (isinstance(top_p, int | float) and top_p == 1)
+    )
+    return SamplingParameters(
+        **arrays, all_greedy=all_greedy, may_truncate=not (all_greedy or keeps_all)
+    )
 
 
 def _check_not_bool_or_text(name: str, value: object) -> None:

@@ -137,14 +137,19 @@ class LogitsStep(eqx.Module):
         - `target_logits`: float `(B, G + 1, V)`, the target model's logits, the
             last position following the last draft.
         - `accept_uniforms`, `sample_uniforms`: float `(B, G)` and `(B,)` in
-            `[0, 1)`; may be omitted when `key` is given.
+            `[0, 1)`; may be omitted when `key` is given, or when `temperature` is
+            the Python number `0` (greedy verification reads none).
         - `temperature`, `top_k`, `top_p`: keyword only, each a Python number, a
             scalar or an array of shape `(B,)`, one value per row, which may be
             traced: one compilation serves every mix. `temperature` finite and
             $\\ge 0$, `0` meaning greedy (default `1`); `top_k` $\\ge 0$ in any
             integer dtype, `0` or at least $V$ keeping all (`None`, the default, is
             `0`); `top_p` in `(0, 1]`, `1` keeping all (`None`, the default, is
-            `1`).
+            `1`). Python numbers are read before tracing, so that the program
+            leaves out what no row needs: `temperature=0` compiles greedy
+            verification alone, and `top_k` and `top_p` each `None` or keeping all
+            compile no truncation. The answers are those of the same values given
+            as arrays, bit for bit.
         - `key`: keyword only, a PRNG key (one, or one per row) to draw the uniforms
             from with [`speculax.uniforms`][].
         - `num_draft_tokens`: keyword only, integer `(B,)` in `[0, G]`, for a ragged
@@ -287,7 +292,9 @@ def read_logits_inputs(
         inputs.tokens.shape[0],
         arithmetic_dtype(inputs.target, inputs.draft),
     )
-    accept, sample = inputs.uniforms(key, ("LogitsStep", "LogitsStep"))
+    # Greedy verification reads no uniforms: zeros stand for those not given.
+    reader = None if parameters.all_greedy else "LogitsStep"
+    accept, sample = inputs.uniforms(key, (reader, reader))
     return inputs, parameters, accept, sample
 
 
@@ -316,7 +323,7 @@ def _verify(
     in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
     target = request_statistics(target_logits, parameters, axis_name)
     draft = None
-    if draft_logits is not None:
+    if draft_logits is not None and not parameters.all_greedy:
         draft = request_statistics(draft_logits, parameters, axis_name)
     passed = _verdicts(
         draft_tokens,
@@ -392,6 +399,9 @@ def _verdicts(
     batch, num_draft = draft_tokens.shape
     if num_draft == 0:
         return jnp.zeros((batch, 0), bool)
+    greedy = draft_tokens == target.argmax[:, :num_draft]
+    if parameters.all_greedy:
+        return greedy
     vocab = full_vocab(target_logits.shape[-1], axis_name)
     tokens = jnp.clip(draft_tokens, 0, vocab - 1)
     temperature = parameters.temperature[:, None]
@@ -410,7 +420,6 @@ def _verdicts(
         else at_tokens(draft_logits, draft)
     )
     sampled = accept_uniforms * draft_probability < target_probability
-    greedy = draft_tokens == target.argmax[:, :num_draft]
     return jnp.where(parameters.greedy[:, None], greedy, sampled)
 
 
@@ -433,6 +442,9 @@ def _draw(
     same rows give the same token, bit for bit."""
     batch, num_draft = draft_tokens.shape
     rows = jnp.arange(batch)
+    greedy = target.argmax[rows, num_accepted]
+    if parameters.all_greedy:
+        return greedy, []
     # The draft row at n < length; at n = length it is not subtracted.
     subtracting = num_accepted < length
     draft_position = jnp.minimum(num_accepted, max(num_draft - 1, 0))
@@ -458,7 +470,6 @@ def _draw(
         axis_name=axis_name,
     )
     sampled = sample_residual(summary, sampler, sample_uniforms)
-    greedy = target.argmax[rows, num_accepted]
     drawn = jnp.where(parameters.greedy, greedy, sampled)
     failures = [
         (where & ~parameters.greedy, failure)

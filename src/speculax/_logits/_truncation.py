@@ -146,6 +146,8 @@ def request_statistics(
         per_row(parameters.top_k),
         per_row(parameters.top_p.astype(dtype)),
         axis_name,
+        may_truncate=parameters.may_truncate,
+        all_greedy=parameters.all_greedy,
     )
     return jax.tree.map(lambda x: x.reshape(requests, positions), statistics)
 
@@ -156,13 +158,20 @@ def row_statistics(
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
     axis_name: str | None = None,
+    *,
+    may_truncate: bool = True,
+    all_greedy: bool = False,
 ) -> RowStatistics:
     """The `RowStatistics` of each row, a loop over chunks of rows (two when the
     rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
     repeated passes then read from cache; all at once elsewhere), reading each row
     from memory once. A chunk none of whose rows is truncated skips the threshold
     searches: temperature alone costs two passes over a row, one for its largest
-    logit and one for its normaliser. `axis_name` as for `request_statistics`.
+    logit and one for its normaliser. With `may_truncate=False` (no row can be
+    truncated, known before tracing) the searches are not traced at all, and the
+    program is a fraction of the size; with `all_greedy` (every row greedy, known
+    before tracing) one pass over a row finds all greedy verification reads
+    (`_greedy_row`). `axis_name` as for `request_statistics`.
     """
     num_rows = logits.shape[0]
     vocab = full_vocab(logits.shape[1], axis_name)
@@ -181,10 +190,15 @@ def row_statistics(
         rows = jnp.minimum(first + jnp.arange(chunk), num_rows - 1)
         block = jnp.stack([read_row(logits, row).astype(dtype) for row in rows])
         operands = (block, temperature[rows], top_k[rows], top_p[rows])
+        if all_greedy:
+            return jax.vmap(functools.partial(_greedy_row, axis_name=axis_name))(block)
+        untruncated = jax.vmap(functools.partial(_untruncated_row, axis_name=axis_name))
+        if not may_truncate:
+            return untruncated(*operands)
         return jax.lax.cond(
             jnp.any(truncating[rows]),
             functools.partial(_truncated_rows, axis_name=axis_name),
-            jax.vmap(functools.partial(_untruncated_row, axis_name=axis_name)),
+            untruncated,
             *operands,
         )
 
@@ -226,6 +240,19 @@ def _untruncated_row(
     del top_k, top_p
     row = _row(logits, temperature, axis_name)
     return _statistics(row, jnp.array(-jnp.inf, row.mass.dtype), row.mass)
+
+
+def _greedy_row(logits: Float[Array, " vocab"], axis_name: str | None) -> RowStatistics:
+    """The statistics of a greedy row in one pass: its largest logit and first
+    index, and whether it holds NaN or $+\\infty$, as `_bad` reads them off the
+    normaliser (which a NaN, or $+\\infty - +\\infty$, makes NaN). The
+    distribution is the one-hot of the argmax: nothing is truncated and its
+    normaliser is 1."""
+    _, largest, index = _blocks(logits)
+    argmax, maximum = first_of_largest(index, largest, logits.shape[0], axis_name)
+    bad = any_over_vocab(jnp.any(jnp.isnan(logits)), axis_name) | (maximum == jnp.inf)
+    no_threshold = jnp.array(-jnp.inf, maximum.dtype)
+    return RowStatistics(maximum, argmax, no_threshold, jnp.ones_like(maximum), bad)
 
 
 def _statistics(
