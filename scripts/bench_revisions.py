@@ -65,7 +65,9 @@ def time_side_by_side(size, before, after, repeats: int) -> tuple[float, float]:
     inputs = after.make_size_inputs(size, 0)
     compiled = []
     for module in (before, after):
-        function, arguments, *_ = module._functions(size, inputs)
+        # Named `_functions` in revisions before the compile-cost table.
+        functions = getattr(module, "step_functions", None) or module._functions
+        function, arguments, *_ = functions(size, inputs)
         compiled.append((jax.jit(function).lower(*arguments).compile(), arguments))
     answers = [jax.device_get(step(*arguments)) for step, arguments in compiled]
     same = jax.tree.all(

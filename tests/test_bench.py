@@ -27,6 +27,8 @@ from speculax._cli._bench import (
     verify_from_logits,
     verify_through_probs,
 )
+from speculax._cli._compile_cost import format_compile_table, programs
+from speculax._cli._compiled import compile_cold
 
 
 DEVICE_CHECK = pathlib.Path(__file__).parents[1] / "scripts" / "device_check.py"
@@ -45,7 +47,18 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         "2x2x300:logits",
         "2x2x300:bfloat16:truncated",
     ]
-    status = main(["bench", "--sizes", *sizes, "--repeats", "1", "--json"])
+    status = main(
+        [
+            "bench",
+            "--sizes",
+            *sizes,
+            "--repeats",
+            "1",
+            "--json",
+            "--compile-size",
+            "none",
+        ]
+    )
     assert status == 0
     captured = capsys.readouterr()
     # Standard output is the JSON alone; the progress, a line as each size starts
@@ -68,7 +81,7 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         "2x2x300:bfloat16:truncated",
     ]
     for row in rows:
-        for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s"):
+        for key in ("baseline_ms", "speculax_ms", "floor_ms", "compile_s", "hlo_chars"):
             assert row[key] > 0
         assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["speculax_ms"])
         assert row["over_floor"] == pytest.approx(row["speculax_ms"] / row["floor_ms"])
@@ -80,15 +93,70 @@ def test_bench_command_runs_on_tiny_sizes(capsys):
         assert "\n| 2x3x300 | float32 | default |" in table
         assert "\n| 2x2x300 | float32 | greedy |" in table
     assert "speculax / floor" in ratios and "temp bytes" in details
+    assert report["compile"] == []
 
 
 def test_bench_table_without_json(capsys):
     from speculax._cli._command import main
 
-    assert main(["bench", "--sizes", "1x1x64", "--repeats", "1"]) == 0
+    assert (
+        main(["bench", "--sizes", "1x1x64", "--repeats", "1", "--compile-size", "none"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "baseline / speculax" in out and "| 1x1x64 | float32 |" in out
-    assert "compile s" in out and "timing" not in out
+    assert "trace + compile s" in out and "timing" not in out
+    assert "Compile cost" not in out
+
+
+def test_a_cold_compile_traces_again_and_counts_the_while_loops():
+    traces = []
+
+    def looping(x):
+        traces.append(None)
+        return jax.lax.fori_loop(0, x.astype(jnp.int32)[0], lambda i, y: y + i, x)
+
+    x = jnp.ones(3)
+    _, first = compile_cold(looping, x)
+    compiled, second = compile_cold(looping, x)
+    # Compiled twice from scratch: a warm cache would not have traced again.
+    assert len(traces) == 2
+    assert first.while_loops == second.while_loops == 1
+    assert first.hlo_chars == second.hlo_chars > 0
+    assert compiled(x).tolist() == looping(x).tolist()
+    _, plain = compile_cold(lambda x: 2 * x, x)
+    assert plain.while_loops == 0 and plain.hlo_chars < first.hlo_chars
+
+
+@pytest.mark.slow
+def test_the_compile_table_measures_every_step_and_loop(capsys):
+    from speculax._cli._command import main
+
+    status = main(["bench", "--compile-only", "--compile-size", "2x2x64", "--json"])
+    assert status == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["results"] == []
+    rows = {row["program"]: row for row in report["compile"]}
+    assert list(rows) == list(programs(Size(2, 2, 64), tree_nodes=2))
+    assert {"default", "traversal", "logits, mixed batch", "loop, sampling"} <= set(
+        rows
+    )
+    assert rows["default"]["time_ratio"] == rows["default"]["hlo_ratio"] == 1
+    for row in rows.values():
+        assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_chars"] > 0
+        assert row["hlo_ratio"] == row["hlo_chars"] / rows["default"]["hlo_chars"]
+    # Python numbers leave out what no row needs; the loops hold while loops.
+    logits = [
+        rows[f"logits, {kind}"]["hlo_chars"]
+        for kind in ("temperature=0", "temperature", "mixed batch")
+    ]
+    assert logits == sorted(logits)
+    assert rows["loop, chain"]["while_loops"] >= 1
+    assert len(captured.err.splitlines()) == len(rows)
+    table = format_compile_table(report["compile"])
+    assert table.count("\n") == len(rows) + 1
+    assert "\n| loop, tree |" in table
 
 
 @pytest.mark.parametrize(

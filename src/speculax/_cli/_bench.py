@@ -63,9 +63,7 @@ took 2.5 times as long, a flat maximum 1.25 times).
 
 import dataclasses
 import functools
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, final
@@ -81,6 +79,7 @@ from .._tree._abstract import TreeOutput
 from .._tree._recursive import TreeStep, greedy_tree_step
 from .._tree._siblings import AbstractSiblingRule, IndependentSiblings
 from .._tree._traversal import TraversalStep
+from ._compiled import compile_cold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +460,7 @@ def argmax_verification(
     return {"num_accepted": num_accepted, "tokens": tokens}
 
 
-def _functions(
+def step_functions(
     size: Size, inputs: tuple[Array, ...]
 ) -> tuple[Callable, tuple, Callable, tuple, tuple]:
     """The step, the baseline and the floor of a size's variant, each with its
@@ -581,15 +580,6 @@ def make_size_inputs(size: Size, seed: int = 0) -> tuple[Array, ...]:
     return make_inputs(size, seed)
 
 
-def _timed_compile(function: Callable, *args: Any) -> tuple[Any, float, int]:
-    start = time.perf_counter()
-    compiled = jax.jit(function).lower(*args).compile()
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    temp = int(memory.temp_size_in_bytes) if memory is not None else -1
-    return compiled, seconds, temp
-
-
 def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     """Times the baseline, the default step and the floor on one size, in one process
     on the same inputs, and reports medians.
@@ -597,20 +587,21 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     **Returns:**
 
     A dict with the size, `baseline_ms`, `speculax_ms`, `floor_ms`, `speedup`
-    (baseline over speculax), `over_floor` (speculax over floor), `temp_bytes` and
-    `compile_s` of the default step, and `temp_limit_bytes` ($2 B V \\cdot 4$ bytes plus
+    (baseline over speculax), `over_floor` (speculax over floor), `temp_bytes`,
+    `trace_s`, `compile_s` and `hlo_chars` of the step (a cold start: see
+    `compile_cold`), and `temp_limit_bytes` ($2 B V \\cdot 4$ bytes plus
     1 MiB; $4 B V \\cdot 4$ for the tree variants).
     """
     tree = size.variant in TREE_VARIANTS
     logits = size.variant in LOGITS_VARIANTS
     inputs = make_size_inputs(size, seed)
-    step_fn, step_args, baseline_fn, baseline_args, rows = _functions(size, inputs)
+    step_fn, step_args, baseline_fn, baseline_args, rows = step_functions(size, inputs)
     # Copies, so that the floor reads contiguous arrays.
     rows = jax.block_until_ready(tuple(jnp.array(row, copy=True) for row in rows))
 
-    step, compile_s, temp_bytes = _timed_compile(step_fn, *step_args)
-    baseline, _, _ = _timed_compile(baseline_fn, *baseline_args)
-    floor_fn, _, _ = _timed_compile(floor, *rows)
+    step, cost = compile_cold(step_fn, *step_args)
+    baseline = jax.jit(baseline_fn).lower(*baseline_args).compile()
+    floor_fn = jax.jit(floor).lower(*rows).compile()
     times: dict[str, list[float]] = {"baseline": [], "speculax": [], "floor": []}
 
     def timed(name: str, function: Callable, args: tuple[Array, ...]) -> None:
@@ -646,13 +637,15 @@ def bench_size(size: Size, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
         "floor_ms": ms["floor"],
         "speedup": ms["baseline"] / ms["speculax"],
         "over_floor": ms["speculax"] / ms["floor"],
-        "temp_bytes": temp_bytes,
+        "temp_bytes": cost.temp_bytes,
         # The tree steps keep each row's two V-wide distributions and draw from a
         # third, and the logits step makes the two rows it draws from: a few (B, V)
         # rows, where the chain step needs at most two.
         "temp_limit_bytes": (4 if tree or logits else 2) * size.batch * size.vocab * 4
         + 2**20,
-        "compile_s": compile_s,
+        "trace_s": cost.trace_s,
+        "compile_s": cost.compile_s,
+        "hlo_chars": cost.hlo_chars,
     }
 
 
@@ -686,7 +679,8 @@ def run_bench(
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """Two Markdown tables of the results of `run_bench`, each narrow enough for a
     page: the step's time and its two ratios, then the times behind the ratios, the
-    temporary memory and the compilation time."""
+    temporary memory and the time to trace and compile the step from a cold start
+    (its HLO size is in the JSON and the compile-cost table)."""
     size = [
         f"| {r['batch']}x{r['num_draft']}x{r['vocab']} | {r['dtype']} | {r['variant']} "
         for r in results
@@ -702,45 +696,32 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     )
     details = (
         "| size | dtype | variant | floor ms | baseline ms | temp bytes "
-        "| compile s |\n"
+        "| trace + compile s |\n"
         "|:---|:---|:---|---:|---:|---:|---:|\n"
     ) + "\n".join(
         f"{s}| {r['floor_ms']:.2f} | {r['baseline_ms']:.2f} "
-        f"| {r['temp_bytes']:,} | {r['compile_s']:.2f} |"
+        f"| {r['temp_bytes']:,} | {r['trace_s'] + r['compile_s']:.2f} |"
         for s, r in zip(size, results, strict=True)
     )
     return f"{ratios}\n\n{details}"
 
 
-def json_report(results: Sequence[dict[str, Any]], repeats: int) -> dict[str, Any]:
+def json_report(
+    results: Sequence[dict[str, Any]],
+    repeats: int,
+    compile_costs: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
     """What `speculax bench --json` prints: the backend, its devices, JAX's version,
-    the number of timed runs and the results of `run_bench`."""
+    the number of timed runs, the results of `run_bench` and those of
+    `run_compile_costs` (`compile`)."""
     return {
         "backend": jax.default_backend(),
         "devices": [str(device) for device in jax.devices()],
         "jax_version": jax.__version__,
         "repeats": repeats,
         "results": list(results),
+        "compile": list(compile_costs),
     }
-
-
-def main(sizes: Sequence[str] | None, repeats: int, as_json: bool) -> int:
-    """The body of `speculax bench`; returns the exit status. Progress goes to
-    standard error, one line as each size starts and ends; standard output holds
-    the results alone."""
-    parsed = [Size.parse(text) for text in sizes] if sizes else list(DEFAULT_SIZES)
-    progress = functools.partial(print, file=sys.stderr, flush=True)
-    progress(f"speculax bench: {len(parsed)} sizes, median of {repeats} runs each")
-    results = run_bench(parsed, repeats, progress=progress)
-    if as_json:
-        print(json.dumps(json_report(results, repeats), indent=2))
-    else:
-        print(
-            f"speculax bench: backend {jax.default_backend()}, jax {jax.__version__}, "
-            f"median of {repeats} runs per function\n"
-        )
-        print(format_table(results))
-    return 0
 
 
 __all__ = [
@@ -755,6 +736,7 @@ __all__ = [
     "make_logits_inputs",
     "make_size_inputs",
     "run_bench",
+    "step_functions",
     "verify_from_logits",
     "verify_through_probs",
 ]

@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo_loop(args)
         return _demo()
     if args.command == "bench":
-        return _bench(args.sizes, args.repeats, args.json)
+        return _bench(args)
     return _run_command(args.file)
 
 
@@ -200,19 +200,62 @@ def _add_bench_parser(commands: Any) -> None:
     bench_parser.add_argument(
         "--json", action="store_true", help="print machine-readable JSON"
     )
+    bench_parser.add_argument(
+        "--compile-size",
+        default="8x4x128256",
+        metavar="BxGxV",
+        help="the size of the steps in the compile-cost table (each step and loop "
+        "traced and compiled from a cold start, beside the default step), or none "
+        "to skip the table (default: 8x4x128256)",
+    )
+    bench_parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="print the compile-cost table alone, timing nothing",
+    )
 
 
-def _bench(sizes: list[str] | None, repeats: int, as_json: bool) -> int:
-    """`speculax bench`: every size checked before anything is timed."""
-    from ._bench import Size, main as bench_main
+def _bench(args: argparse.Namespace) -> int:
+    """`speculax bench`: every size checked before anything is timed; progress on
+    standard error, one line as each size starts and ends, and the results alone
+    on standard output."""
+    import jax
+
+    from ._bench import DEFAULT_SIZES, Size, format_table, json_report, run_bench
+    from ._compile_cost import format_compile_table, run_compile_costs
 
     try:
-        for text in sizes or ():
-            Size.parse(text)
+        sizes = [Size.parse(text) for text in args.sizes or ()] or DEFAULT_SIZES
+        compile_size = (
+            None if args.compile_size == "none" else Size.parse(args.compile_size)
+        )
     except ValueError as error:
         print(f"speculax bench: error: {error}", file=sys.stderr)
         return 2
-    return bench_main(sizes, max(repeats, 1), as_json)
+    repeats = max(args.repeats, 1)
+    progress = functools.partial(print, file=sys.stderr, flush=True)
+    results = []
+    if not args.compile_only:
+        progress(f"speculax bench: {len(sizes)} sizes, median of {repeats} runs each")
+        results = run_bench(sizes, repeats, progress=progress)
+    costs = []
+    if compile_size is not None:
+        costs = run_compile_costs(compile_size, progress=progress)
+    if args.json:
+        print(json.dumps(json_report(results, repeats, costs), indent=2))
+        return 0
+    print(
+        f"speculax bench: backend {jax.default_backend()}, jax {jax.__version__}, "
+        f"median of {repeats} runs per function\n"
+    )
+    tables = [format_table(results)] if results else []
+    if costs:
+        tables.append(
+            f"Compile cost at {compile_size} (loops: see docs/benchmarks.md):\n\n"
+            + format_compile_table(costs)
+        )
+    print("\n\n".join(tables))
+    return 0
 
 
 def _run_command(path: str | None) -> int:
