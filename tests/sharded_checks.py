@@ -582,13 +582,13 @@ def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     parameters = sampling_parameters(
         args["temperature"], args["top_k"], args["top_p"], BATCH, jnp.dtype("float32")
     )
-    reference = request_statistics(logits, parameters)
+    (reference,) = request_statistics((logits,), parameters)
     found = {}
     for mesh_name in meshes:
         mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
         split = jax.jit(
             jax.shard_map(
-                lambda x, p: request_statistics(x, p, "vocab"),
+                lambda x, p: request_statistics((x,), p, "vocab")[0],
                 mesh=mesh,
                 in_specs=(PartitionSpec("data", None, "vocab"), PartitionSpec("data")),
                 out_specs=PartitionSpec("data"),

@@ -130,7 +130,7 @@ def _probs(
     *lead, shard_vocab = logits.shape
     requests = lead[0] if lead else 1
     by_request = logits.reshape(requests, math.prod(lead[1:]), shard_vocab)
-    statistics = request_statistics(by_request, parameters, axis_name)
+    (statistics,) = request_statistics((by_request,), parameters, axis_name)
     tokens = jnp.arange(shard_vocab) + vocab_offset(shard_vocab, axis_name)
     return probability(
         by_request,

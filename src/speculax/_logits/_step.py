@@ -321,10 +321,13 @@ def _verify(
         else jnp.clip(num_draft_tokens, 0, num_draft)
     )
     in_use = positions_in_use(draft_tokens.shape, num_draft_tokens)
-    target = request_statistics(target_logits, parameters, axis_name)
     draft = None
-    if draft_logits is not None and not parameters.all_greedy:
-        draft = request_statistics(draft_logits, parameters, axis_name)
+    if draft_logits is None or parameters.all_greedy:
+        (target,) = request_statistics((target_logits,), parameters, axis_name)
+    else:
+        target, draft = request_statistics(
+            (target_logits, draft_logits), parameters, axis_name
+        )
     passed = _verdicts(
         draft_tokens,
         draft_logits,

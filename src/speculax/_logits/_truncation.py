@@ -39,6 +39,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt
 
 from .._core._numerics import (
@@ -125,23 +126,36 @@ def probability(
 # argument, never as a constant folded into the program.
 @functools.partial(jax.jit, static_argnames="axis_name")
 def request_statistics(
-    logits: Float[Array, "requests positions vocab"],
+    logits: tuple[Float[Array, "requests _ vocab"], ...],
     parameters: SamplingParameters,
     axis_name: str | None = None,
-) -> RowStatistics:
-    """The statistics of every row of every request, shape `(requests, positions)`,
-    each row under its request's parameters. Inside `jax.shard_map` with
-    `axis_name`, the mesh axis the vocabulary is split over, `logits` are this
-    device's slices of the rows, and the statistics those of the whole rows, the
-    same bits as on one device."""
-    requests, positions, vocab = logits.shape
-    dtype = arithmetic_dtype(logits)
+) -> tuple[RowStatistics, ...]:
+    """The statistics of every row of every request, for each array of `logits`
+    (the target's and the draft's, say): shape `(requests, positions)` each, each
+    row under its request's parameters. Arrays of one arithmetic dtype share one
+    loop over their rows, so that the statistics are traced and compiled once
+    whatever the arrays; a row's statistics are those it has alone, bit for bit.
+    Inside `jax.shard_map` with `axis_name`, the mesh axis the vocabulary is split
+    over, `logits` are this device's slices of the rows, and the statistics those
+    of the whole rows, the same bits as on one device."""
+    dtypes = {arithmetic_dtype(array) for array in logits}
+    if len(dtypes) > 1:
+        return tuple(
+            statistics
+            for array in logits
+            for statistics in request_statistics((array,), parameters, axis_name)
+        )
+    (dtype,) = dtypes
+    requests = logits[0].shape[0]
 
     def per_row(x):
-        return jnp.repeat(x, positions, total_repeat_length=requests * positions)
+        repeats = [array.shape[1] for array in logits]
+        return jnp.concatenate(
+            [jnp.repeat(x, n, total_repeat_length=requests * n) for n in repeats]
+        )
 
     statistics = row_statistics(
-        logits.reshape(requests * positions, vocab),
+        tuple(array.reshape(-1, array.shape[-1]) for array in logits),
         per_row(parameters.temperature.astype(dtype)),
         per_row(parameters.top_k),
         per_row(parameters.top_p.astype(dtype)),
@@ -149,11 +163,26 @@ def request_statistics(
         may_truncate=parameters.may_truncate,
         all_greedy=parameters.all_greedy,
     )
-    return jax.tree.map(lambda x: x.reshape(requests, positions), statistics)
+    return tuple(
+        jax.tree.map(
+            lambda x, rows=rows, shape=array.shape[:2]: x[rows].reshape(shape),
+            statistics,
+        )
+        for rows, array in zip(_row_ranges(logits), logits, strict=True)
+    )
+
+
+def _row_ranges(arrays: tuple[Array, ...]) -> list[slice]:
+    """Where each array's rows lie among all the arrays' rows, read in turn."""
+    ends = np.cumsum([array.shape[0] * array.shape[1] for array in arrays]).tolist()
+    return [
+        slice(end - array.shape[0] * array.shape[1], end)
+        for end, array in zip(ends, arrays, strict=True)
+    ]
 
 
 def row_statistics(
-    logits: Float[Array, "rows vocab"],
+    logits: Float[Array, "rows vocab"] | tuple[Float[Array, "_ vocab"], ...],
     temperature: Float[Array, " rows"],
     top_k: Int[Array, " rows"],
     top_p: Float[Array, " rows"],
@@ -165,7 +194,9 @@ def row_statistics(
     """The `RowStatistics` of each row, a loop over chunks of rows (two when the
     rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
     repeated passes then read from cache; all at once elsewhere), reading each row
-    from memory once. A chunk none of whose rows is truncated skips the threshold
+    from memory once. `logits` may be several arrays of rows of one arithmetic
+    dtype, read as one: their rows in turn. A chunk none of whose rows is
+    truncated skips the threshold
     searches: temperature alone costs two passes over a row, one for its largest
     logit and one for its normaliser. With `may_truncate=False` (no row can be
     truncated, known before tracing) the searches are not traced at all, and the
@@ -173,9 +204,10 @@ def row_statistics(
     before tracing) one pass over a row finds all greedy verification reads
     (`_greedy_row`). `axis_name` as for `request_statistics`.
     """
-    num_rows = logits.shape[0]
-    vocab = full_vocab(logits.shape[1], axis_name)
-    dtype = arithmetic_dtype(logits)
+    sources = tuple(logits) if isinstance(logits, tuple) else (logits,)
+    num_rows = sum(source.shape[0] for source in sources)
+    vocab = full_vocab(sources[0].shape[1], axis_name)
+    dtype = arithmetic_dtype(*sources)
     if num_rows == 0:
         nothing = jnp.zeros((0,), dtype)
         return RowStatistics(
@@ -188,7 +220,11 @@ def row_statistics(
     def one_chunk(first: Int[Array, ""]) -> RowStatistics:
         # The last chunk repeats the last row instead of reading past the array.
         rows = jnp.minimum(first + jnp.arange(chunk), num_rows - 1)
-        block = jnp.stack([read_row(logits, row).astype(dtype) for row in rows])
+        if chunk == num_rows:
+            # Every row, in order: the arrays themselves, not one read per row.
+            block = jnp.concatenate([source.astype(dtype) for source in sources])
+        else:
+            block = jnp.stack([_read_row(sources, row, dtype) for row in rows])
         operands = (block, temperature[rows], top_k[rows], top_p[rows])
         if all_greedy:
             return jax.vmap(functools.partial(_greedy_row, axis_name=axis_name))(block)
@@ -205,6 +241,25 @@ def row_statistics(
     firsts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
     statistics = jax.lax.map(one_chunk, firsts)
     return jax.tree.map(lambda x: x.reshape(-1)[:num_rows], statistics)
+
+
+def _read_row(
+    sources: tuple[Float[Array, "_ vocab"], ...], row: Int[Array, ""], dtype: jnp.dtype
+) -> Float[Array, " vocab"]:
+    """Row `row` of the arrays' rows in turn, in place, converted to `dtype`."""
+    if len(sources) == 1:
+        return read_row(sources[0], row).astype(dtype)
+    starts = np.cumsum([0, *(source.shape[0] for source in sources[:-1])])
+    which = sum((row >= start).astype(jnp.int32) for start in starts[1:])
+    branches = [
+        functools.partial(
+            lambda source, start, row: read_row(source, row - start).astype(dtype),
+            source,
+            int(start),
+        )
+        for source, start in zip(sources, starts, strict=True)
+    ]
+    return jax.lax.switch(which, branches, row)
 
 
 class _Row(eqx.Module):
