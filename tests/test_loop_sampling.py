@@ -324,3 +324,33 @@ def test_loop_refuses_a_step_on_a_split_vocabulary():
         speculax.SpeculativeLoop(
             num_draft=2, max_new_tokens=4, step=speculax.LogitsStep(axis_name="x")
         )
+
+
+@SLOW_FOR_SPECULATIVE_STEP
+def test_parameters_that_keep_all_leave_the_searches_out_of_the_loop(step_name):
+    """No top-k and no top-p, as the loop knows before tracing: the same tokens as
+    the same values given as arrays, from a program without the threshold searches
+    (less than half the size)."""
+    draft, target = models()
+    loop = sampling_loop(step_name)
+    prompts = jnp.asarray([[1, 0], [2, 1], [0, 3]])
+    temperature = jnp.asarray([0.7, 0.0, 1.3])
+    keeping_all = {"top_k": jnp.zeros(3, jnp.int32), "top_p": jnp.ones(3)}
+
+    def run(**parameters):
+        return loop(
+            draft,
+            target,
+            prompts,
+            key=jax.random.key(4),
+            temperature=temperature,
+            **parameters,
+        )
+
+    known, traced = run(), run(**keeping_all)
+    for name in known:
+        np.testing.assert_array_equal(known[name], traced[name], err_msg=name)
+    sizes = [
+        len(str(jax.make_jaxpr(lambda p=p: run(**p))())) for p in ({}, keeping_all)
+    ]
+    assert sizes[0] < sizes[1] / 2

@@ -16,7 +16,8 @@ from ._model import model_probs, widened
 class RowParameters(NamedTuple):
     """Each row's sampling parameters, `(B,)` arrays, or `None` each where the loop
     was given none and a SpeculativeStep verifies: the softmax of the logits as they
-    are."""
+    are. `top_k` and `top_p` are also `None` where no row is truncated, as is known
+    before tracing (neither given, or each a Python number that keeps all)."""
 
     temperature: Float[Array, " batch"] | None
     top_k: Int[Array, " batch"] | None
@@ -36,7 +37,8 @@ def row_parameters(
     one value per row, each checked as [`speculax.LogitsStep`][] checks it (a Python
     number out of range raises now, naming it; an array's values at run time) and
     kept in JAX's default float dtype, so that the enumeration reads the values it
-    was given under x64."""
+    was given under x64; `top_k` and `top_p` `None` when no row can be truncated,
+    which leaves the threshold searches out of the loop's program."""
     if temperature is None and top_k is None and top_p is None and not from_logits:
         return RowParameters(None, None, None)
     parameters = sampling_parameters(
@@ -46,6 +48,9 @@ def row_parameters(
         batch,
         jnp.result_type(float),
     )
+    if not parameters.may_truncate:
+        # Known before tracing: without them the loop's program holds no search.
+        return RowParameters(parameters.temperature, None, None)
     return RowParameters(parameters.temperature, parameters.top_k, parameters.top_p)
 
 
@@ -94,7 +99,10 @@ class AbstractDraftSampling(eqx.Module):
         - `logits`: float `(B, V)`, the draft model's logits for one draft position.
         - `temperature`, `top_k`, `top_p`: each row's parameters, `(B,)` each, as
             [`speculax.LogitsStep`][] reads them; `None` each when the loop was
-            given none (and a [`speculax.SpeculativeStep`][] verifies).
+            given none (and a [`speculax.SpeculativeStep`][] verifies). `top_k`
+            and `top_p` are also `None` when no row is truncated, as the loop
+            knows before tracing (neither given, or each a Python number that
+            keeps all tokens).
 
         **Returns:**
 

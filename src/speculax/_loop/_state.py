@@ -54,7 +54,10 @@ class LoopState(eqx.Module):
     - `temperature`, `top_k`, `top_p`: each row's sampling parameters, `(B,)` each,
         which the draft is drawn under and the step verifies by; `None` each for a
         loop given none and verifying with a [`speculax.SpeculativeStep`][] (the
-        softmax of the logits as they are).
+        softmax of the logits as they are). `top_k` and `top_p` are also `None`
+        where no row is truncated, as is known before tracing (neither given, or
+        each a Python number that keeps all tokens), which leaves the threshold
+        searches out of the loop's program.
     """
 
     buffer: Int[Array, "batch time"]
