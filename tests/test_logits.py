@@ -296,7 +296,9 @@ def _program_size(step, batch: dict) -> int:
     return len(str(jax.make_jaxpr(lambda: _run(step, batch))()))
 
 
-@pytest.mark.parametrize("strategy", ["one at a time", "all at once"])
+@pytest.mark.parametrize(
+    "strategy", ["one at a time", pytest.param("all at once", marks=pytest.mark.slow)]
+)
 def test_python_parameters_leave_out_what_no_row_needs(strategy):
     """A temperature of 0 given as a Python number traces greedy verification alone
     and reads no uniforms; no top-k and no top-p trace no truncation. Either way
@@ -307,7 +309,7 @@ def test_python_parameters_leave_out_what_no_row_needs(strategy):
     target[1, 0, 4], target[3, 1, 0], target[5, 0] = np.nan, np.inf, -np.inf
     batch["target_logits"] = jnp.asarray(target)
     ones, zeros = jnp.ones(BATCH), jnp.zeros(BATCH)
-    step = speculax.LogitsStep(throw=False).with_result
+    step = eqx.filter_jit(speculax.LogitsStep(throw=False).with_result)
     with speculax.row_strategy(strategy):
         greedy = {**batch, "temperature": 0, "top_k": None, "top_p": None}
         as_arrays = {**batch, "temperature": zeros, "top_k": None, "top_p": None}

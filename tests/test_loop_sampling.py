@@ -326,7 +326,9 @@ def test_loop_refuses_a_step_on_a_split_vocabulary():
         )
 
 
-@SLOW_FOR_SPECULATIVE_STEP
+# Two loop programs compiled for this test alone: the extended tier.
+@pytest.mark.slow
+@pytest.mark.parametrize("step_name", list(STEPS))
 def test_parameters_that_keep_all_leave_the_searches_out_of_the_loop(step_name):
     """No top-k and no top-p, as the loop knows before tracing: the same tokens as
     the same values given as arrays, from a program without the threshold searches

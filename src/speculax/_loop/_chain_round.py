@@ -109,27 +109,37 @@ def draft_chain(
     first = jnp.maximum(state.length - 2, 0)
     logits, cache = read_chain(draft_model, state.buffer, first, 2, state.draft_cache)
     logits = logits[rows, state.length - 1 - first]
-    buffer, probs = _drawn(
-        state, state.buffer, logits, draft_uniforms, 0, draft_sampling
+    row_shapes = DraftRows(
+        logits,
+        jax.eval_shape(
+            draft_sampling, logits, state.temperature, state.top_k, state.top_p
+        ),
     )
     drafted = jax.tree.map(
         lambda row: jnp.zeros((row.shape[0], num_draft, *row.shape[1:]), row.dtype),
-        DraftRows(logits, probs),
+        row_shapes,
     )
 
-    def draft(i: Int[Array, ""], carry: tuple[Array, DraftRows, Cache]) -> tuple:
-        buffer, drafted, cache = carry
-        logits, cache = read_chain(draft_model, buffer, state.length - 1 + i, 1, cache)
-        buffer, probs = _drawn(
-            state, buffer, logits[:, 0], draft_uniforms, i, draft_sampling
-        )
-        return buffer, _set_rows(drafted, i, DraftRows(logits[:, 0], probs)), cache
+    # Each draw is traced once, in the loop: the model reads the draft just drawn
+    # for the next draw's logits, except after the last.
+    def draft(i: Int[Array, ""], carry: tuple) -> tuple:
+        buffer, drafted, cache, logits = carry
+        buffer, probs = _drawn(state, buffer, logits, draft_uniforms, i, draft_sampling)
+        drafted = _set_rows(drafted, i, DraftRows(logits, probs))
 
-    buffer, drafted, cache = jax.lax.fori_loop(
-        1,
-        num_draft,
-        draft,
-        (buffer, _set_rows(drafted, 0, DraftRows(logits, probs)), cache),
+        def read_next() -> tuple:
+            next_logits, next_cache = read_chain(
+                draft_model, buffer, state.length + i, 1, cache
+            )
+            return next_logits[:, 0], next_cache
+
+        logits, cache = jax.lax.cond(
+            i + 1 < num_draft, read_next, lambda: (logits, cache)
+        )
+        return buffer, drafted, cache, logits
+
+    buffer, drafted, cache, _ = jax.lax.fori_loop(
+        0, num_draft, draft, (state.buffer, drafted, cache, logits)
     )
     draft_tokens = jnp.take_along_axis(
         buffer, state.length[:, None] + jnp.arange(num_draft), axis=1
