@@ -232,6 +232,13 @@ def _children_drawn(
         ranked = jax.lax.top_k(probs, len(children))[1]
         for rank, child in enumerate(children):
             tokens = tokens.at[:, child - 1].set(ranked[:, rank])
+    elif tree.drafting == "independent":
+        # One draw traced for all the node's children, each with its own uniform.
+        index = np.asarray(children) - 1
+        drawn = jax.vmap(
+            lambda uniform: InverseCDF()(probs, uniform), in_axes=1, out_axes=1
+        )(draft_uniforms[:, index])
+        tokens = tokens.at[:, index].set(drawn)
     else:
         node_used = parents[:, node - 1] >= 0 if node else jnp.ones(rows.shape, bool)
         left = probs
