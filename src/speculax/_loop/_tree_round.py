@@ -241,16 +241,23 @@ def _children_drawn(
         tokens = tokens.at[:, index].set(drawn)
     else:
         node_used = parents[:, node - 1] >= 0 if node else jnp.ones(rows.shape, bool)
-        left = probs
-        for child in children:
-            token = InverseCDF()(left, draft_uniforms[:, child - 1])
-            if tree.drafting == "without replacement":
-                # A child with no token left is left out, with the nodes below it.
-                drawn = node_used & (left.sum(axis=-1) > 0)
-                parents = parents.at[:, child - 1].set(jnp.where(drawn, node, -1))
-                token = jnp.where(drawn, token, 0)
-                left = left.at[rows, token].set(jnp.where(drawn, 0, left[rows, token]))
-            tokens = tokens.at[:, child - 1].set(token)
+        index = jnp.asarray(children, jnp.int32) - 1
+
+        # One draw traced for all the node's children, in rank order, each taking
+        # its token out of the row the next is drawn from.
+        def child_drawn(k: Int[Array, ""], carry: tuple) -> tuple:
+            parents, tokens, left = carry
+            token = InverseCDF()(left, draft_uniforms[:, index[k]])
+            # A child with no token left is left out, with the nodes below it.
+            drawn = node_used & (left.sum(axis=-1) > 0)
+            parents = parents.at[:, index[k]].set(jnp.where(drawn, node, -1))
+            token = jnp.where(drawn, token, 0)
+            left = left.at[rows, token].set(jnp.where(drawn, 0, left[rows, token]))
+            return parents, tokens.at[:, index[k]].set(token), left
+
+        parents, tokens, _ = jax.lax.fori_loop(
+            0, len(children), child_drawn, (parents, tokens, probs)
+        )
     return DraftedTree(parents, tokens, drafted.probs.at[:, node].set(probs))
 
 
