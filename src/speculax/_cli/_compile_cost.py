@@ -184,8 +184,9 @@ def run_compile_costs(
     *,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """`compile_cost` of every program of `programs`, one after another, each with
-    its ratios to the default step's total time and HLO size."""
+    """The cost of compiling every program of `programs` from a cold start
+    (`compile_cold`), one after another, each with its ratios to the default step's
+    total time and HLO size."""
     results = []
     for name, (function, args) in programs(size, tree_nodes).items():
         _, cost = compile_cold(function, *args)

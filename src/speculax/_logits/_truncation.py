@@ -174,11 +174,17 @@ def request_statistics(
 
 def _row_ranges(arrays: tuple[Array, ...]) -> list[slice]:
     """Where each array's rows lie among all the arrays' rows, read in turn."""
-    ends = np.cumsum([array.shape[0] * array.shape[1] for array in arrays]).tolist()
+    counts = [array.shape[0] * array.shape[1] for array in arrays]
+    starts = _first_rows(counts)
     return [
-        slice(end - array.shape[0] * array.shape[1], end)
-        for end, array in zip(ends, arrays, strict=True)
+        slice(start, start + count) for start, count in zip(starts, counts, strict=True)
     ]
+
+
+def _first_rows(counts: list[int]) -> list[int]:
+    """The index of each array's first row among all the arrays' rows, given how
+    many rows each has."""
+    return np.cumsum([0, *counts[:-1]]).tolist()
 
 
 def row_statistics(
@@ -195,14 +201,14 @@ def row_statistics(
     rows go one at a time, `rows_one_at_a_time`, as on CPU, where the thresholds'
     repeated passes then read from cache; all at once elsewhere), reading each row
     from memory once. `logits` may be several arrays of rows of one arithmetic
-    dtype, read as one: their rows in turn. A chunk none of whose rows is
-    truncated skips the threshold
-    searches: temperature alone costs two passes over a row, one for its largest
-    logit and one for its normaliser. With `may_truncate=False` (no row can be
-    truncated, known before tracing) the searches are not traced at all, and the
-    program is a fraction of the size; with `all_greedy` (every row greedy, known
-    before tracing) one pass over a row finds all greedy verification reads
-    (`_greedy_row`). `axis_name` as for `request_statistics`.
+    dtype, read as one: their rows in turn. A chunk none of whose rows is truncated
+    skips the threshold searches: temperature alone costs two passes over a row,
+    one for its largest logit and one for its normaliser. With
+    `may_truncate=False` (no row can be truncated, known before tracing) the
+    searches are not traced at all, and the program is a fraction of the size; with
+    `all_greedy` (every row greedy, known before tracing) one pass over a row finds
+    all greedy verification reads (`_greedy_row`). `axis_name` as for
+    `request_statistics`.
     """
     sources = tuple(logits) if isinstance(logits, tuple) else (logits,)
     num_rows = sum(source.shape[0] for source in sources)
@@ -249,13 +255,13 @@ def _read_row(
     """Row `row` of the arrays' rows in turn, in place, converted to `dtype`."""
     if len(sources) == 1:
         return read_row(sources[0], row).astype(dtype)
-    starts = np.cumsum([0, *(source.shape[0] for source in sources[:-1])])
+    starts = _first_rows([source.shape[0] for source in sources])
     which = sum((row >= start).astype(jnp.int32) for start in starts[1:])
     branches = [
         functools.partial(
             lambda source, start, row: read_row(source, row - start).astype(dtype),
             source,
-            int(start),
+            start,
         )
         for source, start in zip(sources, starts, strict=True)
     ]
