@@ -225,6 +225,21 @@ def large_collectives(hlo: str, sizes: set[int]) -> list[str]:
     return found
 
 
+def run_inspected(f, args: dict, sizes: set[int] | None) -> tuple[tuple, dict]:
+    """`f`'s output on `args` and, given `sizes` (the lengths a vocabulary-sized
+    collective would have), its compiled program's collectives: the large ones and
+    how many there are. One compilation either way."""
+    if sizes is None:
+        return f(**args), {}
+    compiled = jax.jit(lambda a: f(**a)).lower(args).compile()
+    hlo = compiled.as_text()
+    entry = {
+        "large_collectives": large_collectives(hlo, sizes),
+        "collectives": len(collectives(hlo)),
+    }
+    return compiled(args), entry
+
+
 def same(got: tuple, want: tuple) -> bool:
     """Whether two `(output, result)` pairs agree bit for bit, the output's keys
     included."""
@@ -277,13 +292,11 @@ def check_variants(devices: np.ndarray, quick: bool) -> dict:
                 vocab_axis="vocab",
                 with_result=True,
             )
-            entry = {"identical": same(f(**args), reference)}
-            if name in ("default", "greedy", "typical", "check_all_probs", "block"):
-                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
-                sizes = {VOCAB, VOCAB // shape[1]}
-                entry["large_collectives"] = large_collectives(hlo, sizes)
-                entry["collectives"] = len(collectives(hlo))
-            found[name][mesh_name] = entry
+            inspected = name in ("default", "greedy", "typical", "check_all_probs")
+            inspected |= name == "block"
+            sizes = {VOCAB, VOCAB // shape[1]} if inspected else None
+            output, entry = run_inspected(f, args, sizes)
+            found[name][mesh_name] = {"identical": same(output, reference), **entry}
     return found
 
 
@@ -356,11 +369,28 @@ QUICK_TREE_MESHES = ("2x4",)
 INSPECTED_TREES = ("tree", "tree deterministic", "traversal", "traversal deterministic")
 STRATEGIES = ("one at a time", "all at once")
 # The extended tier runs the tree and logits steps, a compilation of seconds each
-# on eight devices, under each row strategy on one mesh that splits the vocabulary:
-# the CPU's on the mesh that splits it most, the accelerators' on the mesh of both
-# axes (the default tier runs the CPU's there), and on the batch axis alone. The
-# chain's variants, cheaper, run on every mesh.
+# on eight devices, with the vocabulary split under one row strategy each, on that
+# strategy's mesh: the CPU's on the mesh that splits the vocabulary most, the
+# accelerators' on the mesh of both axes (the default tier runs the CPU's there);
+# and every variant on the batch axis alone. The chain's variants, cheaper, run on
+# every mesh.
 SPLIT_RUNS = {"one at a time": "1x8", "all at once": "2x4"}
+ONE, ALL = STRATEGIES
+# Each strategy walks trees of both rules, with and without replacement, drafted
+# and deterministic, and checks a searched program of each rule; the default
+# tier's variant runs under the other strategy here.
+TREE_RUNS = {
+    "tree": ONE,
+    "tree without replacement": ALL,
+    "tree deterministic": ALL,
+    "greedy tree": ONE,
+    "traversal": ALL,
+    "traversal without replacement": ONE,
+    "traversal deterministic": ONE,
+    "key": ALL,
+    "throw=False": ONE,
+    "traversal throw=False": ALL,
+}
 # The failures planted in the bad rows of `tree_variants`.
 TREE_FAILURES = ("bad_target_row", "bad_draft_row", "tree_token_out_of_range")
 
@@ -377,16 +407,13 @@ def same_trees(got: tuple, want: tuple) -> bool:
     return equal and bool(np.all(got_result == want_result))
 
 
-def check_trees(
-    devices: np.ndarray, quick: bool, strategies: tuple[str, ...] = STRATEGIES
-) -> dict:
-    """Each tree variant with the vocabulary split on the mesh `SPLIT_RUNS` gives
-    the first of `strategies`, under each of them, against one device. Where the
-    first of them is the first of all: the batch split alone, the collectives of
-    the compiled programs, the refusals."""
+def check_trees(devices: np.ndarray, quick: bool) -> dict:
+    """Each tree variant with the vocabulary split under its strategy of
+    `TREE_RUNS` on that strategy's mesh, and on the batch axis alone, against one
+    device; the collectives of the compiled programs; the refusals (`quick`: the
+    default tier's subset, one variant on the 2 x 4 mesh under the CPU's
+    strategy, and on the batch axis of the 4 x 2 mesh)."""
     found: dict = {}
-    everything = strategies[0] == STRATEGIES[0]
-    meshes = QUICK_TREE_MESHES if quick else (SPLIT_RUNS[strategies[0]],)
     for name, (step, args) in tree_variants().items():
         if quick and name not in QUICK_TREE_VARIANTS:
             continue
@@ -404,34 +431,23 @@ def check_trees(
                 for kind in TREE_FAILURES
             },
         }
-        if everything:
-            batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+        strategy = ONE if quick else TREE_RUNS[name]
+        found[name]["strategy"] = strategy
+        batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
+        f = speculax.sharded_step(step, batch_only, batch_axis="data", with_result=True)
+        found[name]["batch axis only"] = same_trees(f(**args), reference)
+        mesh_name = QUICK_TREE_MESHES[0] if quick else SPLIT_RUNS[strategy]
+        shape = MESHES[mesh_name]
+        mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
+        with speculax.row_strategy(strategy):
             f = speculax.sharded_step(
-                step, batch_only, batch_axis="data", with_result=True
+                step, mesh, batch_axis="data", vocab_axis="vocab", with_result=True
             )
-            found[name]["batch axis only"] = same_trees(f(**args), reference)
-        for mesh_name in meshes:
-            shape = MESHES[mesh_name]
-            mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
-            entry: dict = {}
-            for strategy in strategies[:1] if quick else strategies:
-                with speculax.row_strategy(strategy):
-                    f = speculax.sharded_step(
-                        step,
-                        mesh,
-                        batch_axis="data",
-                        vocab_axis="vocab",
-                        with_result=True,
-                    )
-                    entry[strategy] = same_trees(f(**args), reference)
-            if everything and not quick and name in INSPECTED_TREES:
-                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
-                sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
-                entry["large_collectives"] = large_collectives(hlo, sizes)
-                entry["collectives"] = len(collectives(hlo))
-            found[name][mesh_name] = entry
-    if everything:
-        found["refused"] = tree_refusals(devices)
+            inspected = not quick and name in INSPECTED_TREES
+            sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]} if inspected else None
+            output, entry = run_inspected(f, args, sizes)
+        found[name][mesh_name] = {strategy: same_trees(output, reference), **entry}
+    found["refused"] = tree_refusals(devices)
     return found
 
 
@@ -506,14 +522,23 @@ def logits_variants() -> dict:
 
 # The default tier's subset of the logits checks, on the 2 x 4 mesh.
 QUICK_LOGITS_VARIANTS = ("logits throw=False",)
-INSPECTED_LOGITS = ("logits", "logits deterministic")
+INSPECTED_LOGITS = ("logits", "logits deterministic", "logits ragged")
+# As `TREE_RUNS`, with a searched program on each mesh; the default tier's variant
+# runs under the other strategy here.
+LOGITS_RUNS = {
+    "logits": ONE,
+    "logits ragged": ALL,
+    "logits deterministic": ONE,
+    "logits key": ALL,
+    "logits throw=False": ALL,
+}
 
 
 def check_logits(devices: np.ndarray, quick: bool) -> dict:
-    """Each logits variant with the vocabulary split under each row strategy on
-    its mesh of `SPLIT_RUNS`, and on the batch axis alone, against one device;
-    the row statistics and the collectives of the compiled programs (`quick`: the
-    default tier's subset, one variant on the 2 x 4 mesh alone)."""
+    """Each logits variant with the vocabulary split under its strategy of
+    `LOGITS_RUNS` on that strategy's mesh, and on the batch axis alone, against
+    one device; the row statistics and the collectives of the compiled programs
+    (`quick`: the default tier's subset, one variant on the 2 x 4 mesh alone)."""
     found: dict = {}
     for name, args in logits_variants().items():
         if quick and name not in QUICK_LOGITS_VARIANTS:
@@ -525,6 +550,7 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
             "failed": np.flatnonzero(
                 np.asarray(reference[1] != speculax.RESULTS.successful)
             ).tolist(),
+            "strategy": ONE if quick else LOGITS_RUNS[name],
         }
         if not quick:
             batch_only = Mesh(devices.reshape(MESHES["4x2"]), ("data", "vocab"))
@@ -532,30 +558,18 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
                 step, batch_only, batch_axis="data", with_result=True
             )
             found[name]["batch axis only"] = same(f(**args), reference)
-        runs = (
-            {"2x4": STRATEGIES[0]}
-            if quick
-            else {mesh: strategy for strategy, mesh in SPLIT_RUNS.items()}
-        )
-        for mesh_name, strategy in runs.items():
-            shape = MESHES[mesh_name]
-            mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
-            entry: dict = {}
-            with speculax.row_strategy(strategy):
-                f = speculax.sharded_step(
-                    step,
-                    mesh,
-                    batch_axis="data",
-                    vocab_axis="vocab",
-                    with_result=True,
-                )
-                entry[strategy] = same(f(**args), reference)
-            if name in INSPECTED_LOGITS and not quick:
-                hlo = jax.jit(lambda a, f=f: f(**a)).lower(args).compile().as_text()
-                sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]}
-                entry["large_collectives"] = large_collectives(hlo, sizes)
-                entry["collectives"] = len(collectives(hlo))
-            found[name][mesh_name] = entry
+        strategy = found[name]["strategy"]
+        mesh_name = "2x4" if quick else SPLIT_RUNS[strategy]
+        shape = MESHES[mesh_name]
+        mesh = Mesh(devices.reshape(shape), ("data", "vocab"))
+        with speculax.row_strategy(strategy):
+            f = speculax.sharded_step(
+                step, mesh, batch_axis="data", vocab_axis="vocab", with_result=True
+            )
+            inspected = not quick and name in INSPECTED_LOGITS
+            sizes = {TREE_VOCAB, TREE_VOCAB // shape[1]} if inspected else None
+            output, entry = run_inspected(f, args, sizes)
+        found[name][mesh_name] = {strategy: same(output, reference), **entry}
     if not quick:
         found["statistics"] = check_statistics(devices, tuple(SPLIT_RUNS.values()))
     mesh = Mesh(devices.reshape(MESHES["2x4"]), ("data", "vocab"))
@@ -607,7 +621,7 @@ def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     return found
 
 
-def check_probs_from_logits(devices: np.ndarray) -> dict:
+def check_probs_from_logits(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     """`probs_from_logits` of logits split over the vocabulary (and the batch), each
     request under its own temperature, top-k and top-p: for each mesh, the
     partition spec of the probabilities (the input's, where none is gathered) and
@@ -621,10 +635,12 @@ def check_probs_from_logits(devices: np.ndarray) -> dict:
     }
     want = np.asarray(speculax.probs_from_logits(logits, **parameters))
     found = {}
-    for mesh_name, spec in (
-        ("2x4", PartitionSpec("data", None, "vocab")),
-        ("1x8", PartitionSpec(None, None, "vocab")),
-    ):
+    specs = {
+        "2x4": PartitionSpec("data", None, "vocab"),
+        "1x8": PartitionSpec(None, None, "vocab"),
+    }
+    for mesh_name in meshes:
+        spec = specs[mesh_name]
         mesh = Mesh(devices.reshape(MESHES[mesh_name]), ("data", "vocab"))
         split = jax.device_put(logits, NamedSharding(mesh, spec))
         got = speculax.probs_from_logits(split, **parameters)
@@ -645,22 +661,23 @@ def raised(f, **args) -> str | None:
 
 def main() -> None:
     devices = np.array(jax.devices())
+    # The extended tier's runs apart, each with a time limit of its own.
     if "--logits" in sys.argv:
-        print(json.dumps({"logits": check_logits(devices, quick=False)}))
+        found = {
+            "logits": check_logits(devices, quick=False),
+            "probs_from_logits": check_probs_from_logits(devices, ("1x8",)),
+        }
+        print(json.dumps(found))
         return
     if "--trees" in sys.argv:
-        # The extended tier's tree checks under one row strategy, apart from the
-        # chain's and the other strategy's: each run has a time limit of its own.
-        strategy = sys.argv[sys.argv.index("--trees") + 1]
-        found = check_trees(devices, quick=False, strategies=(strategy,))
-        print(json.dumps({"trees": found}))
+        print(json.dumps({"trees": check_trees(devices, quick=False)}))
         return
     quick = "--quick" in sys.argv
     result: dict = {"variants": check_variants(devices, quick)}
     if quick:
         result["trees"] = check_trees(devices, quick=True)
         result["logits"] = check_logits(devices, quick=True)
-        result["probs_from_logits"] = check_probs_from_logits(devices)
+        result["probs_from_logits"] = check_probs_from_logits(devices, ("2x4",))
     mesh = Mesh(devices, ("v",))
     step = speculax.SpeculativeStep()
     f = speculax.sharded_step(step, mesh, vocab_axis="v", with_result=True)

@@ -95,25 +95,25 @@ def result(shared) -> dict:
     return _checks(shared)
 
 
-@pytest.fixture(scope="module", params=["one at a time", "all at once"])
-def trees(shared, request) -> tuple[str, dict]:
-    """Every tree variant under one row strategy on its mesh of `SPLIT_RUNS`, with
-    the strategy: the extended tier."""
-    return request.param, _checks(shared, "--trees", request.param)["trees"]
+@pytest.fixture(scope="module")
+def trees(shared) -> dict:
+    """Every tree variant with the vocabulary split under one row strategy, on
+    its mesh of `SPLIT_RUNS`, and on the batch axis alone; the compiled
+    programs' collectives; the inputs' coverage: the extended tier."""
+    return _checks(shared, "--trees")["trees"]
 
 
 @pytest.fixture(scope="module")
-def tree_checks(shared) -> dict:
-    """The tree checks run under the first strategy alone: the batch axis only,
-    the compiled programs' collectives, the inputs' coverage."""
-    return _checks(shared, "--trees", "one at a time")["trees"]
+def logits_run(shared) -> dict:
+    """Every logits variant with the vocabulary split under one row strategy, on
+    its mesh of `SPLIT_RUNS`, and on the batch axis of the 4 x 2 mesh;
+    `probs_from_logits` on the 1 x 8 mesh: the extended tier."""
+    return _checks(shared, "--logits")
 
 
 @pytest.fixture(scope="module")
-def logits(shared) -> dict:
-    """Every logits variant under each row strategy on its mesh of `SPLIT_RUNS`,
-    and on the batch axis of the 4 x 2 mesh: the extended tier."""
-    return _checks(shared, "--logits")["logits"]
+def logits(logits_run) -> dict:
+    return logits_run["logits"]
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +156,11 @@ TREE_VARIANTS = [
 ]
 INSPECTED_TREES = ["tree", "tree deterministic", "traversal", "traversal deterministic"]
 STRATEGIES = ["one at a time", "all at once"]
+ONE, ALL = STRATEGIES
 # The mesh the extended tier runs the tree and logits steps on under each row
-# strategy (and the batch axis alone on the 4 x 2 mesh): tests/sharded_checks.py
-# says why.
-SPLIT_RUNS = {"one at a time": "1x8", "all at once": "2x4"}
+# strategy (and the batch axis alone on the 4 x 2 mesh); each variant runs under
+# one of them, which the checks report: tests/sharded_checks.py says why.
+SPLIT_RUNS = {ONE: "1x8", ALL: "2x4"}
 
 
 @pytest.mark.parametrize("variant", QUICK_TREE_VARIANTS)
@@ -177,36 +178,51 @@ def test_a_tree_step_on_a_batch_axis_is_the_step_on_one_device(quick):
 
 
 @pytest.mark.slow
+def test_each_strategy_walks_every_kind_of_tree(trees):
+    """With the vocabulary split, each row strategy walks trees of both rules,
+    with and without replacement, drafted and deterministic."""
+    for strategy in STRATEGIES:
+        walked = {name for name in TREE_VARIANTS if trees[name]["strategy"] == strategy}
+        assert walked & {"tree", "tree without replacement"}
+        assert walked & {"traversal", "traversal without replacement"}
+        assert walked & {"tree deterministic", "traversal deterministic"}
+        assert walked & {"tree", "traversal", "key"}
+        assert walked & {"tree without replacement", "traversal without replacement"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", TREE_VARIANTS)
 def test_every_tree_step_on_a_split_vocabulary_is_the_step_on_one_device(
     trees, variant
 ):
-    """Under each row strategy, the fixture's parameter, on its mesh."""
-    strategy, found = trees
-    assert found[variant][SPLIT_RUNS[strategy]][strategy]
+    """Under the variant's row strategy, on that strategy's mesh."""
+    strategy = trees[variant]["strategy"]
+    assert trees[variant][SPLIT_RUNS[strategy]][strategy]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", TREE_VARIANTS)
-def test_every_tree_step_on_a_batch_axis_is_the_step_on_one_device(
-    tree_checks, variant
-):
-    assert tree_checks[variant]["batch axis only"]
+def test_every_tree_step_on_a_batch_axis_is_the_step_on_one_device(trees, variant):
+    assert trees[variant]["batch axis only"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", INSPECTED_TREES)
-def test_no_vocabulary_sized_collective_in_any_tree_step(tree_checks, variant):
-    entry = tree_checks[variant][SPLIT_RUNS[STRATEGIES[0]]]
+def test_no_vocabulary_sized_collective_in_any_tree_step(trees, variant):
+    entry = trees[variant][SPLIT_RUNS[trees[variant]["strategy"]]]
     assert entry["large_collectives"] == []
     assert entry["collectives"] >= 4
 
 
 @pytest.mark.slow
-def test_the_tree_inputs_cover_the_branches(tree_checks):
+def test_the_searched_tree_programs_cover_both_strategies(trees):
+    assert {trees[name]["strategy"] for name in INSPECTED_TREES} == set(STRATEGIES)
+
+
+@pytest.mark.slow
+def test_the_tree_inputs_cover_the_branches(trees):
     """Paths cut at the root, in the middle and kept whole; the bad rows fail with
     the kind planted, on the last device's slice too, and only they."""
-    trees = tree_checks
     assert set(trees["tree"]["rows"]) == {0, 2}
     assert 1 in trees["key"]["rows"]
     assert set(trees["traversal"]["rows"]) == {0, 2}
@@ -383,7 +399,7 @@ LOGITS_VARIANTS = [
     "logits key",
     "logits throw=False",
 ]
-INSPECTED_LOGITS = ["logits", "logits deterministic"]
+INSPECTED_LOGITS = ["logits", "logits deterministic", "logits ragged"]
 
 
 def test_the_logits_step_on_a_mesh_of_both_axes_is_the_step_on_one_device(quick):
@@ -396,11 +412,18 @@ def test_the_logits_step_on_a_mesh_of_both_axes_is_the_step_on_one_device(quick)
 
 
 def test_probs_from_logits_keeps_the_vocabulary_split(quick):
-    """Logits split over the vocabulary (with the batch, or alone) give
-    probabilities split as they are, as `jax.nn.softmax` keeps its input's
-    sharding, and bit for bit those of one device, per-request parameters mixed."""
+    """Logits split over the vocabulary and the batch give probabilities split as
+    they are, as `jax.nn.softmax` keeps its input's sharding, and bit for bit those
+    of one device, per-request parameters mixed (the vocabulary split alone in the
+    extended tier)."""
     assert quick["probs_from_logits"] == {
         "2x4": {"spec": ["data", None, "vocab"], "same": True},
+    }
+
+
+@pytest.mark.slow
+def test_probs_from_logits_keeps_a_split_vocabulary_split(logits_run):
+    assert logits_run["probs_from_logits"] == {
         "1x8": {"spec": [None, None, "vocab"], "same": True},
     }
 
@@ -414,15 +437,13 @@ def test_the_row_statistics_on_a_split_vocabulary_are_those_of_one_device(logits
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("mesh", "strategy"),
-    [(mesh, strategy) for strategy, mesh in SPLIT_RUNS.items()],
-)
 @pytest.mark.parametrize("variant", LOGITS_VARIANTS)
 def test_every_logits_variant_on_a_split_vocabulary_is_the_step_on_one_device(
-    logits, variant, mesh, strategy
+    logits, variant
 ):
-    assert logits[variant][mesh][strategy]
+    """Under the variant's row strategy, on that strategy's mesh."""
+    strategy = logits[variant]["strategy"]
+    assert logits[variant][SPLIT_RUNS[strategy]][strategy]
 
 
 @pytest.mark.slow
@@ -434,12 +455,16 @@ def test_every_logits_variant_on_a_batch_axis_is_the_step_on_one_device(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", list(SPLIT_RUNS.values()))
 @pytest.mark.parametrize("variant", INSPECTED_LOGITS)
-def test_no_vocabulary_sized_collective_in_any_logits_step(logits, variant, mesh):
-    entry = logits[variant][mesh]
+def test_no_vocabulary_sized_collective_in_any_logits_step(logits, variant):
+    entry = logits[variant][SPLIT_RUNS[logits[variant]["strategy"]]]
     assert entry["large_collectives"] == []
     assert entry["collectives"] >= 6
+
+
+@pytest.mark.slow
+def test_the_searched_logits_programs_cover_both_strategies(logits):
+    assert {logits[name]["strategy"] for name in INSPECTED_LOGITS} == set(STRATEGIES)
 
 
 @pytest.mark.slow
