@@ -481,14 +481,13 @@ def tree_refusals(devices: np.ndarray) -> dict:
     return refused
 
 
-def logits_variants() -> dict:
+def logits_variants(vocab: int = TREE_VOCAB) -> dict:
     """`LogitsStep` with the vocabulary split: per-row temperature, top-k and top-p
     with greedy and sampled rows mixed (a top-k of 300 keeps several groups of one
     block, a flat row under a top-p is searched whole), ragged rows, deterministic
     drafts, uniforms from a key, and per-row codes for bad rows, one of them with a
     NaN on the last device's slice."""
     rng = np.random.default_rng(4)
-    vocab = TREE_VOCAB
     draft = rng.normal(size=(BATCH, DRAFT, vocab)).astype(np.float32) * 3
     draft[5] /= 30
     target = draft[:, [0, 1, 2, 2]] + rng.normal(size=(BATCH, DRAFT + 1, vocab))
@@ -582,6 +581,12 @@ def check_logits(devices: np.ndarray, quick: bool) -> dict:
     return found
 
 
+# Slices of more groups than the fewest searched (2304 and 4608 tokens), so that the
+# rows are searched among their groups, as the steps' shorter slices are not
+# (`speculax._logits._truncation`).
+STATISTICS_VOCAB = 8 * 2304
+
+
 def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     """Whether the statistics of every row of target logits (the largest logit and
     its index, the threshold, the normaliser, the flags), each row under its own
@@ -591,7 +596,7 @@ def check_statistics(devices: np.ndarray, meshes: tuple[str, ...]) -> dict:
     from speculax._logits._parameters import sampling_parameters
     from speculax._logits._truncation import request_statistics
 
-    args = logits_variants()["logits throw=False"]
+    args = logits_variants(STATISTICS_VOCAB)["logits throw=False"]
     logits = jnp.asarray(args["target_logits"])
     parameters = sampling_parameters(
         args["temperature"], args["top_k"], args["top_p"], BATCH, jnp.dtype("float32")

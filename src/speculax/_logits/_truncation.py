@@ -23,7 +23,8 @@ order float32 values (float64 under x64) as integers: each step counts (top-$k$)
 sums (top-$p$) against a candidate, at most 32 steps each (64 for float64), and the
 search stops as soon as one value is left between the bounds. The steps read only
 the groups of `GROUP_SIZE` tokens whose maximum reaches a lower bound of the
-threshold found from the groups' maxima, or the whole row when there are too many.
+threshold found from the groups' maxima, or the whole row when there are too many
+(or the row is short: at most `FEW_GROUPS` groups).
 Every sum, $Z$ and the masses compared, is added in the fixed order of
 `ordered_row_sums`, so that a row has the same bits searched in a few groups or
 whole, alone or in a batch, and split over devices (`axis_name`, see
@@ -353,8 +354,16 @@ def _truncated_rows(
     needs more (on any device), or its bound does not hold as summed, are the
     chunk's rows searched whole, and that row's answer taken from there: the same
     answer, since a search's answer does not depend on where it starts, and every
-    mass is summed in the same order either way (`_Values.mass`).
+    mass is summed in the same order either way (`_Values.mass`). For the same
+    reason rows of at most `FEW_GROUPS` groups are searched whole from the start.
     """
+    if logits.shape[-1] <= FEW_GROUPS * GROUP_SIZE:
+        # A row (or this device's slice of it) no longer than the fewest groups
+        # searched: searched whole, it reads no more than among its groups, and
+        # one search is traced instead of three.
+        return jax.vmap(_searched_whole, in_axes=(0, 0, 0, 0, None))(
+            logits, temperature, top_k, top_p, axis_name
+        )
     rows = jax.vmap(_bounded, in_axes=(0, 0, 0, 0, None))(
         logits, temperature, top_k, top_p, axis_name
     )
@@ -526,17 +535,19 @@ def _searched_whole(
     vocab = full_vocab(logits.shape[0], axis_name)
     row = _row(logits, temperature, axis_name)
     truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
+    truncating = truncating_k | truncating_p
     threshold, total = _search(
         row.values,
         row.mass,
         _key(jnp.array(-jnp.inf, row.mass.dtype)),
-        truncating_k | truncating_p,
+        truncating,
         truncating_k,
         truncating_p,
         top_k,
         top_p,
     )
-    return _statistics(row, threshold, total)
+    # An untruncated row's total as `_untruncated_row` gives it, NaN included.
+    return _statistics(row, threshold, jnp.where(truncating, total, row.mass))
 
 
 def _truncating(
