@@ -643,10 +643,18 @@ def test_a_greedy_step_asked_to_sample_is_refused(parameters):
         greedy.start(draft, target, prompt, jnp.ones((2,), jnp.int32), **parameters)
     # Greedy parameters are what the step does.
     greedy(draft, target, prompt, key=jax.random.key(0), temperature=0)
+
+
+def test_a_greedy_step_may_be_asked_to_sample_when_lossy_is_allowed():
+    draft, target = markov_pair(3, 1, seed=0)
     lossy = speculax.SpeculativeLoop(
         num_draft=2, max_new_tokens=2, step=speculax.greedy_step(), allow_lossy=True
     )
-    lossy(draft, target, prompt, key=jax.random.key(0), **parameters)
+    prompt = jnp.zeros((2, 1), jnp.int32)
+    out = lossy(
+        draft, target, prompt, key=jax.random.key(0), temperature=jnp.array([0, 0.5])
+    )
+    assert out["tokens"].shape == (2, 2)
 
 
 @functools.cache
