@@ -241,6 +241,41 @@ def test_all_at_once_runs_no_loop_over_the_batch(name):
     assert got[32] == got[4], got
 
 
+# The sequential loop iterations of each step on the accelerators' path, for a row
+# at `SIZES`, as counted when they last changed: a change that adds serial steps
+# fails here. The truncated logits step is counted at a longer row too, where it
+# searches among groups of tokens rather than the whole row (src/speculax/_logits/
+# _truncation.py).
+SERIAL_ITERATIONS = {
+    "default": 0,
+    "greedy": 0,
+    "block": 0,
+    "deterministic": 0,
+    "logits": 1,
+    "logits truncated": 65,
+    "tree": 6,
+    "tree deterministic": 6,
+    "greedy tree": 6,
+    "traversal": 103,
+}
+LONG_ROW_SIZES = SIZES._replace(vocab=4096)
+LONG_ROW_SERIAL_ITERATIONS = 753
+
+
+@pytest.mark.parametrize("name", TIERED_STEP_NAMES)
+def test_the_serial_iterations_of_all_at_once_do_not_grow(name):
+    assert counts("all at once", (name,))[name][4] <= SERIAL_ITERATIONS[name]
+
+
+def test_the_serial_iterations_of_a_long_truncated_row_do_not_grow():
+    import speculax
+
+    step, inputs = _steps()["logits truncated"]
+    with speculax.row_strategy("all at once"):
+        jaxpr = jax.make_jaxpr(step)(inputs(4, LONG_ROW_SIZES)).jaxpr
+    assert loop_iterations(jaxpr, LONG_ROW_SIZES) <= LONG_ROW_SERIAL_ITERATIONS
+
+
 # The count sees a loop over the batch: on the CPU's path every step has one.
 @pytest.mark.parametrize("name", TIERED_STEP_NAMES)
 def test_one_at_a_time_loops_over_the_batch(name):
