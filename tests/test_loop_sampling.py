@@ -331,8 +331,8 @@ def test_loop_refuses_a_step_on_a_split_vocabulary():
 @pytest.mark.parametrize("step_name", list(STEPS))
 def test_parameters_that_keep_all_leave_the_searches_out_of_the_loop(step_name):
     """No top-k and no top-p, as the loop knows before tracing: the same tokens as
-    the same values given as arrays, from a program without the threshold searches
-    (less than half the size)."""
+    the same values given as arrays, from a smaller program without the threshold
+    searches."""
     draft, target = models()
     loop = sampling_loop(step_name)
     prompts = jnp.asarray([[1, 0], [2, 1], [0, 3]])
@@ -352,7 +352,9 @@ def test_parameters_that_keep_all_leave_the_searches_out_of_the_loop(step_name):
     known, traced = run(), run(**keeping_all)
     for name in known:
         np.testing.assert_array_equal(known[name], traced[name], err_msg=name)
-    sizes = [
-        len(str(jax.make_jaxpr(lambda p=p: run(**p))())) for p in ({}, keeping_all)
-    ]
-    assert sizes[0] < sizes[1] / 2
+    known_program, traced_program = (
+        str(jax.make_jaxpr(lambda p=p: run(**p))()) for p in ({}, keeping_all)
+    )
+    # The threshold searches are while loops.
+    assert known_program.count("while[") < traced_program.count("while[")
+    assert len(known_program) < len(traced_program)
