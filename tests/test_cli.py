@@ -261,6 +261,26 @@ def test_demo_loop_skips_the_cache_table_on_none(monkeypatch):
     assert [args.cache_lengths for args in seen] == [[], [8, 16]]
 
 
+def test_demo_loop_is_quick_unless_asked_for_the_full_comparison(monkeypatch):
+    import speculax._cli._command as command
+    from speculax._cli._demo import VERIFICATIONS
+
+    seen = []
+    monkeypatch.setattr(command, "_demo_loop", lambda args: seen.append(args) or 0)
+    names = list(command.QUICK_DEMO)
+    for arguments in (
+        ["--loop"],
+        ["--loop", "--full"],
+        ["--full", "--loop", "--max-new-tokens", "8"],
+    ):
+        assert command.main(["demo", *arguments]) == 0
+    quick, full, shorter = ({name: vars(args)[name] for name in names} for args in seen)
+    assert quick == command.QUICK_DEMO and full == command.FULL_DEMO
+    assert full["verify"] == [v for v in VERIFICATIONS if v != "target alone"]
+    assert quick["max_new_tokens"] < full["max_new_tokens"]
+    assert shorter == {**command.FULL_DEMO, "max_new_tokens": 8}
+
+
 def _run_text(data: bytes, tmp_path, capsys) -> tuple[int, str, str]:
     path = tmp_path / "inputs.json"
     path.write_bytes(data)

@@ -56,6 +56,25 @@ KINDS = {
     ),
 }
 
+# `speculax demo --loop` without `--full` compiles five loops (the cache's table
+# reuses the chain's at one prompt per call), within a minute on two cores; the full
+# comparison adds block verification and the trees (the slowest to compile), longer
+# runs, and the cache's table at more lengths.
+QUICK_DEMO = {
+    "verify": ["chain"],
+    "max_new_tokens": 64,
+    "batch_sizes": [1, 8],
+    "cache_lengths": [64],
+    "repeats": 3,
+}
+FULL_DEMO = {
+    "verify": ["chain", "block", "tree", "traversal"],
+    "max_new_tokens": 128,
+    "batch_sizes": [1, 8],
+    "cache_lengths": [64, 128, 256],
+    "repeats": 3,
+}
+
 
 class InputError(Exception):
     """Bad input, reported as one line on standard error with exit status 2."""
@@ -66,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
+        # Options left out take the quick run's values, or the full comparison's.
+        for name, value in (FULL_DEMO if args.full else QUICK_DEMO).items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         if None in args.cache_lengths:
             if len(args.cache_lengths) > 1:
                 parser.error("--cache-lengths: none stands alone, without lengths")
@@ -131,12 +154,20 @@ def _add_demo_parser(commands: Any) -> None:
         "and the time per token with and without the models' caches",
     )
     demo_parser.add_argument(
+        "--full",
+        action="store_true",
+        help="with --loop: the full comparison, a few minutes on two cores: every "
+        "verification, 128 new tokens, and the cache's table at 64, 128 and 256 new "
+        "tokens; without it, the quick run: the chain verified token by token, 64 new "
+        "tokens, the cache's table at 64, within a minute (each option below "
+        "replaces the run's own value)",
+    )
+    demo_parser.add_argument(
         "--verify",
         nargs="+",
         choices=[v for v in VERIFICATIONS if v != "target alone"],
-        default=[v for v in VERIFICATIONS if v != "target alone"],
         help="with --loop: the verifications to run beside the target alone "
-        "(default: all)",
+        "(default: chain; with --full, all)",
     )
     demo_parser.add_argument(
         "--num-draft",
@@ -148,31 +179,28 @@ def _add_demo_parser(commands: Any) -> None:
     demo_parser.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=128,
-        help="with --loop: tokens to generate per prompt (default: 128)",
+        help="with --loop: tokens to generate per prompt (default: 64; with --full, "
+        "128)",
     )
     demo_parser.add_argument(
         "--batch-sizes",
         nargs="+",
         type=int,
         choices=[1, 2, 4, 8],
-        default=[1, 8],
         help="with --loop: prompts per call of the loop (default: 1 8)",
     )
     demo_parser.add_argument(
         "--cache-lengths",
         nargs="+",
         type=_positive_int_or_none,
-        default=[64, 128, 256],
         metavar="N",
         help="with --loop: the new tokens per prompt at which to time the chain "
         "loop with and without the caches, or the word none to skip the table "
-        "(default: 64 128 256)",
+        "(default: 64; with --full, 64 128 256)",
     )
     demo_parser.add_argument(
         "--repeats",
         type=_positive_int,
-        default=3,
         help="with --loop: timed runs per batch (median; default: 3)",
     )
 
@@ -575,12 +603,15 @@ def _demo() -> int:
 def _demo_loop(args: argparse.Namespace) -> int:
     from ._demo import PROMPTS, TREE_PATHS, measure_cache, measure_loop
 
+    trees = f", trees of {len(TREE_PATHS)} nodes" * bool(
+        {"tree", "traversal"} & set(args.verify)
+    )
     print(
         "speculax demo --loop: speculative sampling with two byte-level transformers "
         "trained on the standard library's sources\n"
         f"{len(PROMPTS)} prompts, {args.max_new_tokens} new tokens each; chains of "
-        f"G = {args.num_draft}, trees of {len(TREE_PATHS)} nodes; wall-clock time is "
-        f"the median of {args.repeats} runs\n",
+        f"G = {args.num_draft}{trees}; wall-clock time is the median of "
+        f"{args.repeats} runs\n",
         flush=True,
     )
 
@@ -633,4 +664,9 @@ def _demo_loop(args: argparse.Namespace) -> int:
         f"\nThe first prompt, {PROMPTS[0]!r}, continued by {best.verification}:\n"
         f"{PROMPTS[0]}{best.sample}"
     )
+    if not args.full:
+        print(
+            "\nThe full comparison, block verification and the draft trees included "
+            "(a few minutes): speculax demo --loop --full"
+        )
     return 0
