@@ -65,11 +65,12 @@ def row_strategy(strategy: str) -> Iterator[None]:
     **Example:**
 
     ```python
+    import jax
     import jax.numpy as jnp
     import speculax
 
     with speculax.row_strategy("all at once"):
-        out = speculax.SpeculativeStep()(
+        out = jax.jit(speculax.SpeculativeStep())(
             jnp.array([[1]]),
             jnp.array([[[0.5, 0.5]]]),
             jnp.array([[[0.5, 0.5], [0.25, 0.75]]]),

@@ -86,7 +86,9 @@ class LogitsStep(eqx.Module):
     import jax.numpy as jnp
     import speculax
 
-    step = speculax.LogitsStep()
+    # Under jit, compiled once per shape (eagerly, each operation is dispatched alone:
+    # seconds for this batch, three times as long).
+    step = jax.jit(speculax.LogitsStep())
     target_logits = jax.random.normal(jax.random.key(0), (3, 3, 50))
     draft_logits = jax.random.normal(jax.random.key(1), (3, 2, 50))
     out = step(
