@@ -60,19 +60,11 @@ KINDS = {
 # reuses the chain's at one prompt per call), within a minute on two cores; the full
 # comparison adds block verification and the trees (the slowest to compile), longer
 # runs, and the cache's table at more lengths.
-QUICK_DEMO = {
-    "verify": ["chain"],
-    "max_new_tokens": 64,
-    "batch_sizes": [1, 8],
-    "cache_lengths": [64],
-    "repeats": 3,
-}
+QUICK_DEMO = {"verify": ["chain"], "max_new_tokens": 64, "cache_lengths": [64]}
 FULL_DEMO = {
     "verify": ["chain", "block", "tree", "traversal"],
     "max_new_tokens": 128,
-    "batch_sizes": [1, 8],
     "cache_lengths": [64, 128, 256],
-    "repeats": 3,
 }
 
 
@@ -187,6 +179,7 @@ def _add_demo_parser(commands: Any) -> None:
         nargs="+",
         type=int,
         choices=[1, 2, 4, 8],
+        default=[1, 8],
         help="with --loop: prompts per call of the loop (default: 1 8)",
     )
     demo_parser.add_argument(
@@ -201,6 +194,7 @@ def _add_demo_parser(commands: Any) -> None:
     demo_parser.add_argument(
         "--repeats",
         type=_positive_int,
+        default=3,
         help="with --loop: timed runs per batch (median; default: 3)",
     )
 
@@ -603,9 +597,8 @@ def _demo() -> int:
 def _demo_loop(args: argparse.Namespace) -> int:
     from ._demo import PROMPTS, TREE_PATHS, measure_cache, measure_loop
 
-    trees = f", trees of {len(TREE_PATHS)} nodes" * bool(
-        {"tree", "traversal"} & set(args.verify)
-    )
+    runs_trees = bool({"tree", "traversal"} & set(args.verify))
+    trees = f", trees of {len(TREE_PATHS)} nodes" if runs_trees else ""
     print(
         "speculax demo --loop: speculative sampling with two byte-level transformers "
         "trained on the standard library's sources\n"
