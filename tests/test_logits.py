@@ -242,13 +242,15 @@ def test_a_row_has_the_same_statistics_in_every_set_of_groups_searched():
     """A row searched among 128 groups (its chunk's neighbour needs few), among 512
     (the neighbour needs more than 128) and whole: the same threshold and
     normaliser, bit for bit. Rows short enough are searched whole from the start
-    for this reason."""
+    for this reason. The threshold is one of the row's scaled logits, whatever the
+    steps of the search: the same bits under either row strategy."""
     from speculax._logits._truncation import (
         FEW_GROUPS,
         GROUP_SIZE,
         SEARCHED_GROUPS,
         _searched_whole,
         row_statistics,
+        scaled_logits,
     )
 
     vocab = 16384
@@ -275,6 +277,8 @@ def test_a_row_has_the_same_statistics_in_every_set_of_groups_searched():
             np.testing.assert_array_equal(
                 getattr(other, field)[0], getattr(whole, field)
             )
+    scaled = scaled_logits(logits[0], whole.maximum, temperature[0])
+    assert whole.threshold in np.asarray(scaled)
 
 
 def test_one_compilation_serves_every_mix_of_parameters():
