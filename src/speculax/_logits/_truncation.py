@@ -21,12 +21,13 @@ e^{s_v}$. Temperature $0$ is greedy: the one-hot of the first largest logit.
 Both thresholds are found without sorting, by a search over the integer keys that
 order float32 values (float64 under x64) as integers: each step counts (top-$k$) or
 sums (top-$p$) against candidates, one at a time by bisection (at most 32 steps
-each, 64 for float64) or, on the accelerators' path, fifteen side by side (at most
-8 steps, 16), and the search stops as soon as one value is left between the
+each, 64 for float64) or, on the accelerators' path, 31 side by side (at most 7
+steps, 13), and the search stops as soon as one value is left between the
 bounds. The steps read only
-the groups of `GROUP_SIZE` tokens whose maximum reaches a lower bound of the
-threshold found from the groups' maxima, or the whole row when there are too many
-(or the row is short: at most `FEW_GROUPS` groups).
+the groups of tokens (`GROUP_SIZE` one row at a time, a block all at once) whose
+maximum reaches a lower bound of the threshold found from the groups' maxima, or
+the whole row when there are too many (or the row is short: at most `FEW_GROUPS`
+groups of `GROUP_SIZE`).
 Every sum, $Z$ and the masses compared, is added in the fixed order of
 `ordered_row_sums`, so that a row has the same bits searched in a few groups or
 whole, alone or in a batch, and split over devices (`axis_name`, see
@@ -329,9 +330,11 @@ def _statistics(
     )
 
 
-# The searches read a row in groups of `GROUP_SIZE` tokens, at most `FEW_GROUPS` of
-# them where every row of a chunk allows, else at most `SEARCHED_GROUPS`; a row
-# whose kept tokens may lie in more (on any device of its slices) is searched whole.
+# One row at a time the searches read a row in groups of `GROUP_SIZE` tokens, at
+# most `FEW_GROUPS` of them where every row of a chunk allows, else at most
+# `SEARCHED_GROUPS`; all at once, in at most `FEW_GROUPS` blocks (`_group_size`). A
+# row whose kept tokens may lie in more (on any device of its slices) is searched
+# whole.
 GROUP_SIZE = 16
 FEW_GROUPS = 128
 SEARCHED_GROUPS = 512
@@ -352,7 +355,8 @@ def _truncated_rows(
     maximum whose group maxima at or above it already hold the mass $p Z$), and a
     token below the bound is never kept. For the peaked rows of language models
     that is a few groups: the chunk's rows are searched among `FEW_GROUPS` of them
-    where that is enough for all, else among `SEARCHED_GROUPS`. Only when some row
+    where that is enough for all, else among `SEARCHED_GROUPS` (all at once, among
+    `FEW_GROUPS` groups of a block each, `_group_size`). Only when some row
     needs more (on any device), or its bound does not hold as summed, are the
     chunk's rows searched whole, and that row's answer taken from there: the same
     answer, since a search's answer does not depend on where it starts, and every
@@ -375,11 +379,16 @@ def _truncated_rows(
         search = functools.partial(_searched_in_groups, most=most, axis_name=axis_name)
         return lambda: jax.vmap(search)(logits, temperature, top_k, top_p, rows)
 
-    few, pruned = jax.lax.cond(
-        needed <= FEW_GROUPS,
-        searched_among(FEW_GROUPS),
-        searched_among(SEARCHED_GROUPS),
-    )
+    if rows_one_at_a_time():
+        few, pruned = jax.lax.cond(
+            needed <= FEW_GROUPS,
+            searched_among(FEW_GROUPS),
+            searched_among(SEARCHED_GROUPS),
+        )
+    else:
+        # Each tier is one more search traced and compiled, and a block holds the
+        # tokens of 16 groups: one tier, and the whole row past it.
+        few, pruned = searched_among(FEW_GROUPS)()
 
     def searched_whole():
         whole = jax.vmap(_searched_whole, in_axes=(0, 0, 0, 0, None))(
@@ -430,8 +439,7 @@ def _group_maxima(
 ) -> "_Values":
     """The largest scaled logit of each group of the row, a unit of one value."""
     num_blocks, block_size = row.blocks.shape
-    # A row shorter than a block is one block, which groups may not divide.
-    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
+    group_size = _group_size(block_size)
     maxima = jnp.max(row.blocks.reshape(-1, group_size), axis=-1)
     return _Values.placed(
         scaled_logits(maxima, row.maximum, temperature)[:, None],
@@ -440,6 +448,16 @@ def _group_maxima(
         num_blocks,
         axis_name,
     )
+
+
+def _group_size(block_size: int) -> int:
+    """The tokens of a group searched: `GROUP_SIZE` one row at a time; all at once a
+    whole block, as for a row shorter than a block (which groups may not divide).
+    The masses add a block's groups one after another (`_Values._block_lanes`), a
+    loop that is serial all at once."""
+    if rows_one_at_a_time() and block_size % GROUP_SIZE == 0:
+        return GROUP_SIZE
+    return block_size
 
 
 def _searched_in_groups(
@@ -459,7 +477,7 @@ def _searched_in_groups(
     truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
     blocks, _, _ = _blocks(logits)
     num_blocks, block_size = blocks.shape
-    group_size = GROUP_SIZE if block_size % GROUP_SIZE == 0 else block_size
+    group_size = _group_size(block_size)
     per_block = block_size // group_size
     groups = blocks.reshape(-1, group_size)
     maximum, bound = bounded.maximum, bounded.bound
@@ -813,9 +831,9 @@ def _largest_holding(
     the `values` (or `lowest`), whatever the steps taken. Each step tries the
     predicate at `_search_width() - 1` keys spread evenly between the bounds and
     keeps the interval between the last that holds and the first that does not: a
-    bisection one row at a time, where each try is a pass over the row; sixteen
+    bisection one row at a time, where each try is a pass over the row; 32
     ways at once on the accelerators' path, where the tries run side by side and a
-    step is a loop iteration, serial there: 8 steps at most for float32 keys (16
+    step is a loop iteration, serial there: 7 steps at most for float32 keys (13
     for float64) instead of 32. The search stops as soon as one value is left
     between the bounds. On a split vocabulary every device takes the same steps,
     from counts and masses of the whole row.
@@ -852,9 +870,9 @@ def _largest_holding(
 def _search_width() -> int:
     """How many intervals each step of `_largest_holding` splits its interval into:
     two one row at a time (`rows_one_at_a_time`), where every try costs a pass over
-    the row; sixteen at once, where the tries run side by side and the steps one
+    the row; 32 at once, where the tries run side by side and the steps one
     after another."""
-    return 2 if rows_one_at_a_time() else 16
+    return 2 if rows_one_at_a_time() else 32
 
 
 def _spread(
