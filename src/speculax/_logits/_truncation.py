@@ -22,12 +22,11 @@ Both thresholds are found without sorting, by a search over the integer keys tha
 order float32 values (float64 under x64) as integers: each step counts (top-$k$) or
 sums (top-$p$) against candidates, one at a time by bisection (at most 32 steps
 each, 64 for float64) or, on the accelerators' path, 31 side by side (at most 7
-steps, 13), and the search stops as soon as one value is left between the
-bounds. The steps read only
-the groups of tokens (`GROUP_SIZE` one row at a time, a block all at once) whose
-maximum reaches a lower bound of the threshold found from the groups' maxima, or
-the whole row when there are too many (or the row is short: at most `FEW_GROUPS`
-groups of `GROUP_SIZE`).
+steps, 13), and the search stops as soon as one value is left between the bounds.
+The steps read only the groups of tokens (`GROUP_SIZE` one row at a time, a block
+all at once) whose maximum reaches a lower bound of the threshold found from the
+groups' maxima, or the whole row when there are too many (or the row is short: at
+most `FEW_GROUPS` groups of `GROUP_SIZE`).
 Every sum, $Z$ and the masses compared, is added in the fixed order of
 `ordered_row_sums`, so that a row has the same bits searched in a few groups or
 whole, alone or in a batch, and split over devices (`axis_name`, see
