@@ -15,6 +15,16 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 
+# Compilation is most of the suite's time, and LLVM's optimization of the code XLA
+# emits is a third of it. The suite compiles without it (JAX's
+# `jax_disable_most_optimizations`: LLVM at -O0, its expensive passes off), as its
+# subprocesses do, which inherit the variable; XLA's own passes, which choose the
+# operations and their order, run as for any user. tests/test_optimization_level.py
+# checks that programs of every kind give the bits they give at the level users
+# compile at. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest` runs the suite at that level.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+
 hypothesis.settings.register_profile(
     "speculax",
     deadline=None,
