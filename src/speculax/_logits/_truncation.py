@@ -420,7 +420,7 @@ def _bounded(
     row = _row(logits, temperature, axis_name)
     truncating_k, truncating_p = _truncating(vocab, temperature, top_k, top_p)
     group_maxima = _group_maxima(row, temperature, axis_name)
-    group_size = row.blocks.size // group_maxima.keys.shape[0]
+    group_size = _group_size(row.blocks.shape[1])
     bound = _bound(
         group_maxima,
         row.mass,
