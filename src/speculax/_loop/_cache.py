@@ -132,8 +132,7 @@ class Cacheless(AbstractCachedModel):
         cache_length: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
         batch, width = tokens.shape
-        slots = cache_length[:, None] + jnp.arange(width)
-        buffer = cache.at[jnp.arange(batch)[:, None], slots].set(tokens)
+        buffer, slots = _written(cache, tokens, cache_length)
         is_chain = (positions == slots).all() & (
             mask == jnp.tril(jnp.ones_like(mask))
         ).all()
@@ -144,21 +143,46 @@ class Cacheless(AbstractCachedModel):
             "position cache_length + (the number of new tokens it sees) - 1, and "
             "seeing, of the new tokens before it, those that the ones it sees see",
         )
-
-        def scored(tokens: Array, positions: Array) -> Array:
-            logits = self.model(tokens, positions)
-            check_logits(logits, self.name, positions.shape, "(tokens, positions)")
-            return logits
-
         logits = jax.lax.cond(
             is_chain,
-            lambda: scored(buffer, positions),
-            lambda: scored(
+            lambda: self._scored(buffer, positions),
+            lambda: self._scored(
                 path_buffers(cache, tokens, mask, cache_length),
                 positions.reshape(-1, 1),
             ).reshape(batch, width, -1),
         )
         return logits, buffer
+
+    def _scored_chain(
+        self,
+        tokens: Int[Array, "batch new"],
+        cache: Int[Array, "batch slots"],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
+        """`__call__` for a chain known to be one before tracing (new token $k$
+        at position `cache_length + k`, seeing those before it), as `read_chain`
+        makes: the model called once on the buffer, with neither the test for a
+        chain nor the trees' paths traced."""
+        buffer, slots = _written(cache, tokens, cache_length)
+        return self._scored(buffer, slots), buffer
+
+    def _scored(
+        self, tokens: Int[Array, "rows slots"], positions: Int[Array, "rows k"]
+    ) -> Float[Array, "rows k vocab"]:
+        logits = self.model(tokens, positions)
+        check_logits(logits, self.name, positions.shape, "(tokens, positions)")
+        return logits
+
+
+def _written(
+    cache: Int[Array, "batch slots"],
+    tokens: Int[Array, "batch new"],
+    cache_length: Int[Array, " batch"],
+) -> tuple[Int[Array, "batch slots"], Int[Array, "batch new"]]:
+    """The buffer with the new tokens written at slots `cache_length + k`, and
+    those slots."""
+    slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
+    return cache.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens), slots
 
 
 @final
@@ -384,9 +408,13 @@ def read_chain(
     with their entries written.
     """
     window = first[:, None] + jnp.arange(width)
+    tokens = jnp.take_along_axis(buffer, window, axis=1)
+    inner = model.model if isinstance(model, NamedModel) else model
+    if isinstance(inner, Cacheless):
+        return inner._scored_chain(tokens, cache, first)
     mask = jnp.tril(jnp.ones((width, width), jnp.bool_))
     return model(
-        jnp.take_along_axis(buffer, window, axis=1),
+        tokens,
         window,
         jnp.broadcast_to(mask, (buffer.shape[0], width, width)),
         cache,
