@@ -131,8 +131,7 @@ class Cacheless(AbstractCachedModel):
         cache: PyTree[Shaped[Array, "batch slots ..."]],
         cache_length: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
-        batch, width = tokens.shape
-        buffer, slots = _written(cache, tokens, cache_length)
+        slots = _slots(cache_length, tokens.shape[1])
         is_chain = (positions == slots).all() & (
             mask == jnp.tril(jnp.ones_like(mask))
         ).all()
@@ -143,15 +142,11 @@ class Cacheless(AbstractCachedModel):
             "position cache_length + (the number of new tokens it sees) - 1, and "
             "seeing, of the new tokens before it, those that the ones it sees see",
         )
-        logits = jax.lax.cond(
+        return jax.lax.cond(
             is_chain,
-            lambda: self._scored(buffer, positions),
-            lambda: self._scored(
-                path_buffers(cache, tokens, mask, cache_length),
-                positions.reshape(-1, 1),
-            ).reshape(batch, width, -1),
+            lambda: self._scored_chain(tokens, cache, cache_length),
+            lambda: self._scored_paths(tokens, positions, mask, cache, cache_length),
         )
-        return logits, buffer
 
     def _scored_chain(
         self,
@@ -159,12 +154,29 @@ class Cacheless(AbstractCachedModel):
         cache: Int[Array, "batch slots"],
         cache_length: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
-        """`__call__` for a chain known to be one before tracing (new token $k$
-        at position `cache_length + k`, seeing those before it), as `read_chain`
-        makes: the model called once on the buffer, with neither the test for a
-        chain nor the trees' paths traced."""
-        buffer, slots = _written(cache, tokens, cache_length)
-        return self._scored(buffer, slots), buffer
+        """`__call__` for new tokens known before tracing to read a chain (new
+        token $k$ at position `cache_length + k`, seeing those before it), as
+        `read_new` calls it: the model called once, on the buffer."""
+        buffer = _written(cache, tokens, cache_length)
+        return self._scored(buffer, _slots(cache_length, tokens.shape[1])), buffer
+
+    def _scored_paths(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: Int[Array, "batch slots"],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[Float[Array, "batch new vocab"], Int[Array, "batch slots"]]:
+        """`__call__` for new tokens known before tracing to read paths of a tree
+        and no chain, as `read_new` calls it: the model called once per new token,
+        on its path."""
+        batch, width = tokens.shape
+        buffer = _written(cache, tokens, cache_length)
+        logits = self._scored(
+            path_buffers(cache, tokens, mask, cache_length), positions.reshape(-1, 1)
+        )
+        return logits.reshape(batch, width, -1), buffer
 
     def _scored(
         self, tokens: Int[Array, "rows slots"], positions: Int[Array, "rows k"]
@@ -174,15 +186,19 @@ class Cacheless(AbstractCachedModel):
         return logits
 
 
+def _slots(cache_length: Int[Array, " batch"], width: int) -> Int[Array, "batch new"]:
+    """The slots `cache_length + k` the new tokens of a call are written in."""
+    return cache_length[:, None] + jnp.arange(width)
+
+
 def _written(
     cache: Int[Array, "batch slots"],
     tokens: Int[Array, "batch new"],
     cache_length: Int[Array, " batch"],
-) -> tuple[Int[Array, "batch slots"], Int[Array, "batch new"]]:
-    """The buffer with the new tokens written at slots `cache_length + k`, and
-    those slots."""
-    slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
-    return cache.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens), slots
+) -> Int[Array, "batch slots"]:
+    """The buffer with the new tokens written at their slots."""
+    slots = _slots(cache_length, tokens.shape[1])
+    return cache.at[jnp.arange(tokens.shape[0])[:, None], slots].set(tokens)
 
 
 @final
@@ -408,18 +424,40 @@ def read_chain(
     with their entries written.
     """
     window = first[:, None] + jnp.arange(width)
-    tokens = jnp.take_along_axis(buffer, window, axis=1)
-    inner = model.model if isinstance(model, NamedModel) else model
-    if isinstance(inner, Cacheless):
-        return inner._scored_chain(tokens, cache, first)
     mask = jnp.tril(jnp.ones((width, width), jnp.bool_))
-    return model(
-        tokens,
+    return read_new(
+        model,
+        jnp.take_along_axis(buffer, window, axis=1),
         window,
         jnp.broadcast_to(mask, (buffer.shape[0], width, width)),
         cache,
         first,
+        chain=True,
     )
+
+
+def read_new(
+    model: AbstractCachedModel,
+    tokens: Int[Array, "batch new"],
+    positions: Int[Array, "batch new"],
+    mask: Bool[Array, "batch new new"],
+    cache: Cache,
+    cache_length: Int[Array, " batch"],
+    *,
+    chain: bool,
+) -> tuple[Float[Array, "batch new vocab"], Cache]:
+    """`model(tokens, positions, mask, cache, cache_length)` for a call the loop
+    knows before tracing to read a chain (`chain`) or paths of a tree and no chain.
+    A [`speculax.Cacheless`][] model, which tells them apart from the arrays
+    (tracing both ways to score them, and the check that a tree's tokens read
+    paths), then traces only the one way it scores them: a program a fraction of
+    the size, the same logits."""
+    inner = model.model if isinstance(model, NamedModel) else model
+    if not isinstance(inner, Cacheless):
+        return model(tokens, positions, mask, cache, cache_length)
+    if chain:
+        return inner._scored_chain(tokens, cache, cache_length)
+    return inner._scored_paths(tokens, positions, mask, cache, cache_length)
 
 
 def read_history(

@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._pieces._sampling import InverseCDF
 from .._tree._abstract import AbstractTreeStep, TreeOutput
 from ._append import Verified, append_verified
-from ._cache import AbstractCachedModel, Cache, read_chain
+from ._cache import AbstractCachedModel, Cache, read_chain, read_new
 from ._draft_tree import DraftTree
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
@@ -39,13 +39,16 @@ class DraftedTree(NamedTuple):
 class TreeRead(NamedTuple):
     """One call of a model on some nodes of a round's trees, after each row's
     history: `nodes`, the nodes read (0 the root), in index order; `positions`,
-    int32 `(B, K)`; `mask`, bool `(B, K, K)`, the ancestor mask among them; and
-    `cache_length`, int32 `(B,)`, where they are written."""
+    int32 `(B, K)`; `mask`, bool `(B, K, K)`, the ancestor mask among them;
+    `cache_length`, int32 `(B,)`, where they are written; and `is_chain`, whether
+    the nodes form a chain (each the child of the one before), known before
+    tracing."""
 
     nodes: tuple[int, ...]
     positions: Int[Array, "batch new"]
     mask: Bool[Array, "batch new new"]
     cache_length: Int[Array, " batch"]
+    is_chain: bool
 
 
 def tree_read(
@@ -58,12 +61,19 @@ def tree_read(
     index = np.asarray(nodes)
     batch = length.shape[0]
     mask = tree.ancestors[index][:, index]
-    first = length - 1 if nodes[0] == 0 else length
+    offset = 0 if nodes[0] == 0 else 1
+    depths = np.asarray(tree.depths)[index]
     return TreeRead(
         nodes=nodes,
-        positions=(length - 1)[:, None] + jnp.asarray(tree.depths)[index],
+        positions=(length - 1)[:, None] + jnp.asarray(depths),
         mask=jnp.broadcast_to(jnp.asarray(mask), (batch, *mask.shape)),
-        cache_length=first,
+        cache_length=length - 1 + offset,
+        # Each node at the position of the slot it is written in, seeing those
+        # before it.
+        is_chain=bool(
+            (mask == np.tril(np.ones_like(mask))).all()
+            and (depths == offset + np.arange(len(nodes))).all()
+        ),
     )
 
 
@@ -76,12 +86,14 @@ def read_tree(
 ) -> tuple[Float[Array, "batch new vocab"], Cache]:
     """Calls `model` as `read` says, on the nodes' tokens (the root's `root`)."""
     with_root = jnp.concatenate([root[:, None], tokens], axis=1)
-    return model(
+    return read_new(
+        model,
         with_root[:, np.asarray(read.nodes)],
         read.positions,
         read.mask,
         cache,
         read.cache_length,
+        chain=read.is_chain,
     )
 
 
