@@ -434,6 +434,36 @@ def test_cacheless_scores_chains_and_trees_and_refuses_other_reads():
         model(tokens, jnp.array([[1, 2, 2]]), tree.at[0, 0, 2].set(True), cache, start)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"num_draft": 2},
+        {"draft_tree": speculax.DraftTree((0, 0, 1), drafting="independent")},
+        {"draft_tree": speculax.DraftTree((0, 1), drafting="independent")},
+    ],
+    ids=["chain", "tree", "tree that is a chain"],
+)
+def test_the_loop_traces_a_cacheless_model_once_per_call(shape):
+    """The loop knows before tracing which of its calls read chains and which read
+    a tree's paths: a Cacheless model traces the model once per call, not once for
+    each way it could score the new tokens (a chain round half as large again)."""
+    traced = []
+
+    def model(tokens, positions):
+        traced.append(positions.shape)
+        return jnp.zeros((*positions.shape, 3))
+
+    step = {} if "num_draft" in shape else {"step": speculax.TreeStep()}
+    loop = speculax.SpeculativeLoop(max_new_tokens=2, **shape, **step)
+    prompt = jnp.zeros((2, 1), jnp.int32)
+    jax.make_jaxpr(lambda p: loop(model, model, p, key=jax.random.key(0)))(prompt)
+    # Two prompts read for the vocabulary's size and for the caches, each by both
+    # models but for the first; then a round: the draft's first read, one read per
+    # level below the first (per draft, for a chain), and the target's read.
+    levels = shape["num_draft"] if "num_draft" in shape else shape["draft_tree"].depth
+    assert len(traced) == 3 + 1 + (levels - 1) + 1
+
+
 # Two children of the root with two children each; and the first with one.
 TWO_BY_TWO = (0, 0, 1, 1, 2, 2)
 SMALL = (0, 0, 1)
