@@ -450,8 +450,8 @@ def read_new(
     knows before tracing to read a chain (`chain`) or paths of a tree and no chain.
     A [`speculax.Cacheless`][] model, which tells them apart from the arrays
     (tracing both ways to score them, and the check that a tree's tokens read
-    paths), then traces only the one way it scores them: a program a fraction of
-    the size, the same logits."""
+    paths), then traces only the one way it scores them: the same logits, from a
+    program two thirds the size (a chain round's jaxpr)."""
     inner = model.model if isinstance(model, NamedModel) else model
     if not isinstance(inner, Cacheless):
         return model(tokens, positions, mask, cache, cache_length)
