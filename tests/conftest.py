@@ -20,7 +20,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 # `jax_disable_most_optimizations`: LLVM at -O0, its expensive passes off), as its
 # subprocesses do, which inherit the variable; XLA's own passes, which choose the
 # operations and their order, run as for any user. tests/test_optimization_level.py
-# checks that programs of every kind give the bits they give at the level users
+# checks that the logits step and a loop give the bits they give at the level users
 # compile at. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest` runs the suite at that level.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 

@@ -457,9 +457,9 @@ def test_the_loop_traces_a_cacheless_model_once_per_call(shape):
     loop = speculax.SpeculativeLoop(max_new_tokens=2, **shape, **step)
     prompt = jnp.zeros((2, 1), jnp.int32)
     jax.make_jaxpr(lambda p: loop(model, model, p, key=jax.random.key(0)))(prompt)
-    # Two prompts read for the vocabulary's size and for the caches, each by both
-    # models but for the first; then a round: the draft's first read, one read per
-    # level below the first (per draft, for a chain), and the target's read.
+    # The prompt read three times: by the target for the vocabulary's size, then by
+    # each model to fill its cache; then a round: the draft's first read, one read
+    # per level below the first (per draft, for a chain), and the target's read.
     levels = shape["num_draft"] if "num_draft" in shape else shape["draft_tree"].depth
     assert len(traced) == 3 + 1 + (levels - 1) + 1
 

@@ -1,11 +1,11 @@
-"""The suite compiles with LLVM's optimizations off (`tests/conftest.py`), to halve
-its compile time; users compile with them on. LLVM keeps IEEE arithmetic at every
-level (XLA asks for no fast math), and XLA's own passes, which choose the operations
-and their order, are the same at both: so every program gives the same bits either
-way, and what the suite proves of its programs holds for the users'. Checked here on
-the programs of the most arithmetic: verification from logits under per-row
-parameters, and a loop around the chain step. Rows one at a time, as on the CPU:
-on accelerators the level of the CPU's LLVM plays no part.
+"""The suite compiles with LLVM's optimizations off (`tests/conftest.py`), which
+takes about a third off its compile time; users compile with them on. LLVM keeps
+IEEE arithmetic at every level (XLA asks for no fast math), and XLA's own passes,
+which choose the operations and their order, are the same at both: so every program
+gives the same bits either way, and what the suite proves of its programs holds for
+the users'. Checked here on the programs of the most arithmetic: verification from
+logits under per-row parameters, and a loop around the chain step. Rows one at a
+time, as on the CPU: on accelerators the level of the CPU's LLVM plays no part.
 """
 
 import jax
