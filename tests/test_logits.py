@@ -1020,3 +1020,21 @@ def test_token_major_rejects_lengths_that_do_not_fit():
         speculax.from_token_major(jnp.zeros(3), jnp.array([1.0]), num_draft=2)
     with pytest.raises(ValueError, match=r"num_draft_tokens must have shape \(B,\)"):
         speculax.from_token_major(jnp.zeros(3), jnp.array([[1]]), num_draft=2)
+
+
+def test_both_row_strategies_sum_the_groups_kept_as_the_whole_blocks():
+    """One row at a time, a row of more than 2048 tokens sums its masses over the
+    groups of 16 tokens that can hold a kept token, each placed where it lies in its
+    block; all at once, over whole blocks. Where a block keeps many of its groups
+    (a loose top-$p$ on flat rows), the two must still agree bit for bit."""
+    logits = 1.3 * jax.random.normal(jax.random.key(1), (4, 4133))
+    parameters = {
+        "temperature": jnp.array([1.0, 0.7, 1.3, 1.0]),
+        "top_k": jnp.array([0, 3000, 0, 50], jnp.int32),
+        "top_p": jnp.array([0.97, 0.99, 0.999, 1.0]),
+    }
+    rows = {}
+    for strategy in ("one at a time", "all at once"):
+        with speculax.row_strategy(strategy):
+            rows[strategy] = jax.jit(speculax.probs_from_logits)(logits, **parameters)
+    np.testing.assert_array_equal(rows["one at a time"], rows["all at once"])
