@@ -187,10 +187,11 @@ def ordered_block_sums(
     the same row can sum to a different last bit alone and inside a batch, and a
     uniform near a block's edge then draws a different token. Here each block is
     split into rows of `lanes` entries (zero-padded, and $x + 0 = x$), the rows are
-    added one after another as whole vectors, and the lanes are then added pairwise:
-    explicit additions, which XLA may fuse but never reorders. `lanes` is a power of
-    two; it sets the order, and so the last bit, but never makes it depend on the
-    batch.
+    added pairwise (`pairwise_rows`) and then the lanes (`pairwise_lanes`):
+    explicit additions, which XLA may fuse but never reorders, in a program whose
+    size grows with the logarithm of the block, not with the block. `lanes` is a
+    power of two; it sets the order, and so the last bit, but never makes it depend
+    on the batch.
     """
     vocab = x.shape[-1]
     num_full = vocab // block_size
@@ -213,12 +214,32 @@ def _sum_blocks(
     x = jnp.pad(x, [*no_padding, (0, num_blocks * block_size - vocab)])
     x = x.reshape(*lead, num_blocks, block_size)
     x = jnp.pad(x, [*no_padding, (0, 0), (0, rows * lanes - block_size)])
-    x = x.reshape(*lead, num_blocks, rows, lanes)
-    total = x[..., 0, :]
-    for row in range(1, rows):
-        total = total + x[..., row, :]
-    width = lanes
+    return pairwise_lanes(pairwise_rows(x.reshape(*lead, num_blocks, rows, lanes)))
+
+
+def pairwise_rows(x: Float[Array, "*lead rows lanes"]) -> Float[Array, "*lead lanes"]:
+    """The rows of `x` added pairwise, neighbours first (row $2i$ and row $2i + 1$,
+    then those sums in pairs, and so on to one row), after padding with rows of
+    zeros to a power of two.
+
+    Any $2^k$ rows that start at a multiple of $2^k$ are summed together before
+    they meet the others, so the sum of an array whose other rows are zero is the
+    sum of those runs' sums placed where they lie, bit for bit: the truncation's
+    masses sum only the groups of a block that can hold a kept token that way.
+    """
+    *lead, rows, _ = x.shape
+    levels = max(rows - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 2**levels - rows), (0, 0)])
+    for _ in range(levels):
+        x = x[..., 0::2, :] + x[..., 1::2, :]
+    return x[..., 0, :]
+
+
+def pairwise_lanes(x: Float[Array, "*lead lanes"]) -> Float[Array, " *lead"]:
+    """The lanes of `x`, a power of two of them, added pairwise: the first half to
+    the second, then again, to one."""
+    width = x.shape[-1]
     while width > 1:
         width //= 2
-        total = total[..., :width] + total[..., width : 2 * width]
-    return total[..., 0]
+        x = x[..., :width] + x[..., width : 2 * width]
+    return x[..., 0]

@@ -50,6 +50,8 @@ from .._core._numerics import (
     arithmetic_dtype,
     flush_subnormal,
     ordered_block_sums,
+    pairwise_lanes,
+    pairwise_rows,
 )
 from .._core._row_strategy import rows_one_at_a_time
 from .._core._rows import read_row
@@ -443,7 +445,6 @@ def _group_maxima(
     return _Values.placed(
         scaled_logits(maxima, row.maximum, temperature)[:, None],
         None,
-        block_size // group_size,
         num_blocks,
         axis_name,
     )
@@ -452,8 +453,7 @@ def _group_maxima(
 def _group_size(block_size: int) -> int:
     """The tokens of a group searched: `GROUP_SIZE` one row at a time; all at once a
     whole block, as for a row shorter than a block (which groups may not divide).
-    The masses add a block's groups one after another (`_Values._block_lanes`), a
-    loop that is serial all at once."""
+    All at once, whole blocks keep the search to one tier (among the blocks)."""
     if rows_one_at_a_time() and block_size % GROUP_SIZE == 0:
         return GROUP_SIZE
     return block_size
@@ -490,8 +490,7 @@ def _searched_in_groups(
     few = jnp.take(groups, chosen, axis=0, mode="fill", fill_value=-jnp.inf)
     values = _Values.placed(
         scaled_logits(few, maximum, temperature),
-        _Runs.of_chosen(holding, chosen, per_block),
-        per_block,
+        _Runs.of_chosen(num_blocks, chosen, per_block),
         num_blocks,
         axis_name,
     )
@@ -611,14 +610,13 @@ class _Values(eqx.Module):
     maximum is over the whole row, the same on every device.
 
     `runs` says how the units lie in the slice's `num_blocks` blocks of
-    `BLOCK_SIZE` tokens, `units_per_block` to a block (`None` for values that are
-    counted, never summed in order).
+    `BLOCK_SIZE` tokens (`None` for values that are counted, never summed in
+    order).
     """
 
     keys: Int[Array, "units unit"]
     weights: Float[Array, "units unit"]
     runs: "_Runs | None"
-    units_per_block: int = eqx.field(static=True)
     num_blocks: int = eqx.field(static=True)
     axis_name: str | None = eqx.field(static=True)
 
@@ -627,7 +625,6 @@ class _Values(eqx.Module):
         cls,
         scaled: Float[Array, "units unit"],
         runs: "_Runs | None",
-        units_per_block: int,
         num_blocks: int,
         axis_name: str | None,
     ) -> "_Values":
@@ -637,7 +634,6 @@ class _Values(eqx.Module):
             _key(scaled),
             jnp.exp(scaled),
             runs,
-            units_per_block,
             num_blocks,
             axis_name,
         )
@@ -649,7 +645,7 @@ class _Values(eqx.Module):
         """The blocks of a row's scaled logits."""
         num_blocks = scaled.shape[0]
         runs = _Runs.of_blocks(num_blocks)
-        return cls.placed(scaled, runs, 1, num_blocks, axis_name)
+        return cls.placed(scaled, runs, num_blocks, axis_name)
 
     def count(self, key: Int[Array, ""]) -> Int[Array, ""]:
         """How many values are at or above the value of `key`."""
@@ -687,95 +683,77 @@ class _Values(eqx.Module):
         return jnp.sum(gather_blocks(local[None], self.axis_name))
 
     def _ordered_sum(self, weights: Float[Array, "units unit"]) -> Float[Array, ""]:
-        # `ordered_block_sums` adds a block's rows of 8 lanes one after another,
-        # then the lanes pairwise. Rows of zeros change nothing (x + 0 = x), so a
-        # block's lanes are the rows of its units here added in turn, the units of
-        # one block one after another (`_block_lanes`); the blocks are then summed
-        # in the order fixed by their number, as `ordered_row_sums` does.
+        # `ordered_block_sums` adds a block's rows of 8 lanes pairwise, neighbours
+        # first, then the lanes. A unit is a run of rows that such a sum adds on
+        # its own, and rows of zeros change nothing (x + 0 = x), so a block's lanes
+        # are its units' sums placed where they lie in it (`_block_lanes`); the
+        # blocks are then summed in the order fixed by their number, as
+        # `ordered_row_sums` does.
         lanes, block = self._block_lanes(weights)
-        width = lanes.shape[-1]
-        while width > 1:
-            width //= 2
-            lanes = lanes[..., :width] + lanes[..., width : 2 * width]
         in_place = jnp.zeros(self.num_blocks, lanes.dtype)
-        in_place = in_place.at[block].set(lanes[:, 0], mode="drop")
+        in_place = in_place.at[block].set(pairwise_lanes(lanes), mode="drop")
         row = gather_blocks(in_place, self.axis_name)
         return ordered_block_sums(row, row.shape[-1], lanes=_LANES)[0]
 
     def _block_lanes(
         self, weights: Float[Array, "units unit"]
     ) -> tuple[Float[Array, "units lanes"], Int[Array, " units"]]:
-        """The lanes of each block that holds units, at the last of its units, and
-        the block of each unit (past the last block for the others)."""
+        """The lanes of the block of each unit, and the block each unit stands for
+        (past the last block for all but one unit of a block, and for the
+        padding)."""
         num_units, unit = weights.shape
         rows = -(-unit // _LANES)
         weights = jnp.pad(weights, ((0, 0), (0, rows * _LANES - unit)))
-        weights = weights.reshape(num_units, rows, _LANES)
+        units = pairwise_rows(weights.reshape(num_units, rows, _LANES))
         if self.runs is None:
             raise TypeError("these values are not placed to be summed in order")
-        first, rank = self.runs.first, self.runs.rank
-
-        def added(lanes):
-            # Each unit continues the lanes of the one before it in its block.
-            before = jnp.concatenate([jnp.zeros((1, _LANES), lanes.dtype), lanes[:-1]])
-            total = jnp.where(first[:, None], weights[:, 0], before + weights[:, 0])
-            for row in range(1, rows):
-                total = total + weights[:, row]
-            return total
-
-        if self.units_per_block == 1:
-            lanes = added(jnp.zeros((num_units, _LANES), weights.dtype))
-        else:
-            lanes = jax.lax.fori_loop(
-                0,
-                self.runs.turns,
-                lambda turn, lanes: jnp.where(
-                    (rank == turn)[:, None], added(lanes), lanes
-                ),
-                jnp.zeros((num_units, _LANES), weights.dtype),
-            )
-        return lanes, self.runs.last_in_block
+        # A unit (a group) is a power of two of rows, so it is a subtree of its
+        # block's sum, and so is each node above it: level by level, every unit
+        # holds the sum of its node, and adds that of the sibling node (held alike
+        # by each of its units), or 0 where the sibling holds no unit. Addition is
+        # commutative, so both siblings' units hold the same bits.
+        for partner in self.runs.partners:
+            units = units + jnp.take(units, partner, axis=0, mode="fill", fill_value=0)
+        return units, self.runs.last_in_block
 
 
 class _Runs(eqx.Module):
     """The units of each block, in the order of the row, as `_Values._block_lanes`
-    adds them: whether a unit begins its block's run, its place in the run, the
-    longest run's length, and for the last unit of each run its block (past the
-    last block for the others and for the padding, which is never summed)."""
+    sums them: at each level of a block's sum above the units, a unit of the
+    sibling node of each unit's (past the last unit where there is none), and for
+    the last unit of each block its block (past the last block for the others and
+    for the padding, which is never summed)."""
 
-    first: Bool[Array, " units"]
-    rank: Int[Array, " units"]
-    turns: Int[Array, ""]
+    partners: Int[Array, "levels units"]
     last_in_block: Int[Array, " units"]
 
     @classmethod
     def of_blocks(cls, num_blocks: int) -> "_Runs":
         """Each unit a whole block, in order."""
-        first = jnp.ones(num_blocks, bool)
-        rank = jnp.zeros(num_blocks, jnp.int32)
-        return cls(first, rank, jnp.ones((), jnp.int32), jnp.arange(num_blocks))
+        return cls(jnp.zeros((0, num_blocks), jnp.int32), jnp.arange(num_blocks))
 
     @classmethod
     def of_chosen(
-        cls, holding: Bool[Array, " all"], chosen: Int[Array, " units"], per_block: int
+        cls, num_blocks: int, chosen: Int[Array, " units"], per_block: int
     ) -> "_Runs":
-        """The units `chosen` (in order, past the last for padding) of those
-        `holding`, `per_block` of which make a block."""
-        by_block = holding.reshape(-1, per_block).astype(jnp.int32)
-        before = (jnp.cumsum(by_block, axis=1) - by_block).reshape(-1)
-        in_block = jnp.sum(by_block, axis=1)
-        num_blocks = in_block.shape[0]
+        """The units `chosen` (in order, past the last for padding) of a row's
+        `num_blocks` blocks, `per_block` units to a block."""
         block = chosen // per_block
-        padding = block >= num_blocks
-        rank = jnp.take(before, chosen, mode="fill", fill_value=0)
-        rank = jnp.where(padding, 0, rank)
-        count = jnp.take(in_block, block, mode="fill", fill_value=1)
-        last = (rank == count - 1) & ~padding
+        levels = (per_block - 1).bit_length()
+        # Each block's places padded to a power of two, as its rows are: the node
+        # of a unit at each level is then its position shifted by the level.
+        position = block * 2**levels + chosen % per_block
+        partners = [jnp.zeros((0, chosen.shape[0]), jnp.int32)]
+        for level in range(levels):
+            node = position >> level
+            sibling = node ^ 1
+            first = jnp.searchsorted(node, sibling, method="scan")
+            found = jnp.take(node, first, mode="fill", fill_value=-1) == sibling
+            partners.append(jnp.where(found, first, chosen.shape[0])[None])
+        ends = jnp.concatenate([block[1:] != block[:-1], jnp.ones(1, bool)])
         return cls(
-            rank == 0,
-            rank,
-            jnp.max(in_block),
-            jnp.where(last, block, num_blocks),
+            jnp.concatenate(partners).astype(jnp.int32),
+            jnp.where(ends & (block < num_blocks), block, num_blocks),
         )
 
 
