@@ -358,6 +358,26 @@ def test_every_interval_wider_than_the_stated_gap_holds_a_probe():
     assert gaps.max() < 1.2e-3
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 300, 1500])
+def test_the_rows_of_an_enumeration_are_run_in_chunks_of_few_sizes(rows):
+    """Each row's output comes back in its place, whatever the chunk it ran in; a
+    chunk has one of the sizes given, and fewer padded rows than the smallest."""
+    from speculax.testing._chain import in_chunks
+
+    seen = []
+
+    def row_sums(x, y):
+        seen.append(len(x))
+        return (x.sum(axis=-1) + y,)
+
+    x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    y = np.arange(rows, dtype=np.float32)
+    (sums,) = in_chunks(row_sums, x, y, chunks=(16, 128, 1024))
+    np.testing.assert_array_equal(sums, x.sum(axis=-1) + y)
+    assert set(seen) <= {16, 128, 1024}
+    assert 0 <= sum(seen) - rows < 16
+
+
 @pytest.mark.parametrize(("low", "high"), WINDOWS)
 def test_an_acceptance_test_lossy_in_a_window_is_never_called_lossless(low, high):
     q, p = random_row(seed=3, vocab=3, num_draft=2, zeros="none")

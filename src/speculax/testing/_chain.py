@@ -521,6 +521,7 @@ def sampler_cells(
             lambda rows, shift: _scan_sampler(sampler, rows, shift),
             weights,
             fresh_probe_shifts((rows,)),
+            chunks=_SCAN_CHUNKS,
         )
     used = highs > lows
     in_vocab = np.all(~used | ((tokens >= 0) & (tokens < vocab)), axis=-1)
@@ -655,23 +656,36 @@ def _scan_sampler(
     return lows_f, highs_f, tokens, consistent
 
 
-# The compiled functions see batches of this many rows, whatever the step.
+# The compiled functions see batches of this many rows, whatever the step: one shape
+# to compile.
 _CHUNK = 1024
+# The sampler's scan calls the sampler at a thousand probes per row, so that a padded
+# row costs as much to run as a real one: its chunks come in three sizes, few shapes
+# to compile and few padded rows (an enumeration of 30 rows ran 1024 before).
+_SCAN_CHUNKS = (16, 128, _CHUNK)
 
 
-def in_chunks(function: Callable[..., tuple], *arrays: np.ndarray) -> list[np.ndarray]:
-    """`function` applied to the rows of `arrays` `_CHUNK` at a time (the last chunk
-    padded with copies of row 0), its outputs concatenated as NumPy arrays."""
+def in_chunks(
+    function: Callable[..., tuple],
+    *arrays: np.ndarray,
+    chunks: Sequence[int] = (_CHUNK,),
+) -> list[np.ndarray]:
+    """`function` applied to the rows of `arrays` in chunks of the sizes of `chunks`
+    (ascending), each the largest that the rows left fill, or the smallest for the
+    last few, padded with copies of row 0; its outputs concatenated as NumPy
+    arrays."""
     size = len(arrays[0])
-    outputs = []
-    for start in range(0, size, _CHUNK):
-        rows = [array[start : start + _CHUNK] for array in arrays]
-        padding = _CHUNK - len(rows[0])
+    outputs, start = [], 0
+    while start < size:
+        chunk = max((c for c in chunks if c <= size - start), default=chunks[0])
+        rows = [array[start : start + chunk] for array in arrays]
+        padding = chunk - len(rows[0])
         rows = [
             np.concatenate([part, np.repeat(array[:1], padding, axis=0)])
             for part, array in zip(rows, arrays, strict=True)
         ]
         outputs.append([np.asarray(out) for out in function(*map(jnp.asarray, rows))])
+        start += chunk
     return [np.concatenate(parts)[:size] for parts in zip(*outputs, strict=True)]
 
 
