@@ -22,6 +22,7 @@ FAMILIES = [
     ("_tree", "_logits"),
     ("_sharded",),
     ("_loop",),
+    ("_drafters",),
     ("testing",),
     ("_cli",),
     ("__init__", "__main__"),

@@ -4,7 +4,7 @@ indices and the order of summation. See `docs/concepts.md`, "Numbers".
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +130,16 @@ def is_integer_array(array: np.ndarray) -> bool:
 
 def _is_python_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_Static = TypeVar("_Static", int, int | None)
+
+
+def integer_by_value(value: _Static) -> _Static:
+    """A static integer field's converter: a NumPy integer as the Python int of its
+    value (runtime type checking would refuse it for an `int`, and a static field
+    must not hold an array). Anything else is left for the checks to name."""
+    return cast(_Static, int(value)) if isinstance(value, np.integer) else value
 
 
 def static_integer(value: Any, name: str) -> int:

@@ -1,6 +1,6 @@
 """The speculative sampling loop: draft, verify, append, repeat, under one `jit`."""
 
-from typing import TypeVar, cast, final
+from typing import final
 
 import equinox as eqx
 import jax
@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, Key
 
 from .._chain._step import SpeculativeStep
 from .._core._checks import check_static_int
-from .._core._numerics import as_index, index_array
+from .._core._numerics import as_index, index_array, integer_by_value
 from .._inputs._input_array import InputArray
 from .._inputs._random import KeyArray, row_keys
 from .._logits._step import LogitsStep
@@ -32,24 +32,14 @@ from ._state import LoopOutput, LoopState
 from ._tree_round import tree_round
 
 
-_Static = TypeVar("_Static", int, int | None)
-
-
-def _by_value(value: _Static) -> _Static:
-    """A static integer as the Python int of its value: a NumPy integer, which
-    runtime type checking would refuse for an `int`, is an array, and a static field
-    must not hold one. Anything else is left for the checks to name."""
-    return cast(_Static, int(value)) if isinstance(value, np.integer) else value
-
-
 def _end_token_ids(
     value: int | tuple[int, ...] | list[int] | None,
 ) -> int | tuple[int, ...] | None:
     """`end_token` as the loop keeps it, a static field: several ids as a tuple,
     which hashes, whatever sequence they came in; each read by value."""
     if isinstance(value, list | tuple):
-        return tuple(_by_value(v) for v in value)
-    return _by_value(value)
+        return tuple(integer_by_value(v) for v in value)
+    return integer_by_value(value)
 
 
 @final
@@ -157,9 +147,11 @@ class SpeculativeLoop(eqx.Module):
     ```
     """
 
-    max_new_tokens: int = eqx.field(static=True, kw_only=True, converter=_by_value)
+    max_new_tokens: int = eqx.field(
+        static=True, kw_only=True, converter=integer_by_value
+    )
     num_draft: int | None = eqx.field(
-        static=True, default=None, kw_only=True, converter=_by_value
+        static=True, default=None, kw_only=True, converter=integer_by_value
     )
     draft_tree: DraftTree | None = eqx.field(default=None, kw_only=True)
     step: SpeculativeStep | LogitsStep | AbstractTreeStep = eqx.field(

@@ -1,0 +1,1 @@
+"""What the loop drafts from besides a draft model: drafters without weights."""
