@@ -1,6 +1,7 @@
 """Draws docs/images/loop.svg: tokens per target call and wall-clock speedup of the
-speculative sampling loop for each verification (chains, block verification, a
-draft tree, traversal verification) at one and eight prompts per call, and the time
+speculative sampling loop for each verification (chains drafted by the draft model
+and by prompt lookup, block verification, a draft tree, traversal verification) at
+one and eight prompts per call, and the time
 per generated token against the number of new tokens with and without the models'
 key-value caches, with the demo's transformers (`speculax demo --loop`); prints
 the Markdown tables of docs/loop.md, and each model's time per call.

@@ -107,10 +107,12 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
             "--loop",
             "--max-new-tokens",
             "12",
-            # A chain and a tree: block verification and TreeStep in the loop are
-            # tests/test_loop.py's and tests/test_loop_trees.py's.
+            # A chain from each drafter and a tree: block verification and
+            # TreeStep in the loop are tests/test_loop.py's and
+            # tests/test_loop_trees.py's.
             "--verify",
             "chain",
+            "prompt lookup",
             "traversal",
             "--batch-sizes",
             "8",
@@ -126,23 +128,26 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
     # tables on standard output.
     lines = err.splitlines()
     assert lines[0] == (
-        "speculax demo --loop: [1/3] target alone, 8 per call: compiling and timing ..."
+        "speculax demo --loop: [1/4] target alone, 8 per call: compiling and timing ..."
     )
-    assert lines[5].startswith("speculax demo --loop: [3/3] traversal, 8 per call: ")
-    assert "8 new tokens, cacheless" in lines[7]
-    assert len(lines) == 8 and "compiling" not in out
+    assert lines[7].startswith("speculax demo --loop: [4/4] traversal, 8 per call: ")
+    assert "8 new tokens, cacheless" in lines[9]
+    assert len(lines) == 10 and "compiling" not in out
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
         if line.split()
-        and line.split()[0] in ("target", "chain", "block", "tree", "traversal")
+        and line.split()[0] in ("target", "chain", "prompt", "traversal")
     }
     assert rows["target"][1:][:4] == ["alone", "8", "0", "1.00"]
     assert rows["target"][-1] == "1.00x"
     # The trained draft agrees with the target often: more than one token a call.
-    assert set(rows) == {"target", "chain", "traversal"}
+    assert set(rows) == {"target", "chain", "prompt", "traversal"}
     for name in ("chain", "traversal"):
         assert 1.3 < float(rows[name][3]) <= 7, name
+    # Prompt lookup drafts without a model: 4 drafts, some of them kept.
+    assert rows["prompt"][1:4] == ["lookup", "8", "4"]
+    assert 1 < float(rows["prompt"][4]) <= 5
     # One batch of 8 prompts: the target alone takes one call per token.
     assert rows["target"][5] == "12" and 2 <= int(rows["chain"][4]) < 12
     assert "def __init__(self, " in out

@@ -62,7 +62,7 @@ KINDS = {
 # runs, and the cache's table at more lengths.
 QUICK_DEMO = {"verify": ["chain"], "max_new_tokens": 64, "cache_lengths": [64]}
 FULL_DEMO = {
-    "verify": ["chain", "block", "tree", "traversal"],
+    "verify": ["chain", "prompt lookup", "block", "tree", "traversal"],
     "max_new_tokens": 128,
     "cache_lengths": [64, 128, 256],
 }
@@ -627,11 +627,11 @@ def _demo_loop(args: argparse.Namespace) -> int:
         progress=progress,
     )
     print(
-        "verification  per call  drafts  tokens/call  target calls      time  speedup"
+        "verification   per call  drafts  tokens/call  target calls      time  speedup"
     )
     for result in results:
         print(
-            f"{result.verification:<12}  {result.batch_size:8d}  {result.drafts:6d}"
+            f"{result.verification:<13}  {result.batch_size:8d}  {result.drafts:6d}"
             f"  {result.tokens_per_call:11.2f}  {result.target_calls:12d}"
             f"  {1000 * result.seconds:6.0f} ms  {result.speedup:6.2f}x"
         )

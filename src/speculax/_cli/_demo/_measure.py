@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from ..._chain._step import block_step
+from ..._drafters._prompt_lookup import PromptLookup
 from ..._inputs._tree_formats import parents_from_paths
 from ..._loop._cache import Cacheless
 from ..._loop._draft_tree import DraftTree
@@ -16,6 +17,7 @@ from ..._tree._recursive import TreeStep
 from ..._tree._siblings import SiblingsWithoutReplacement
 from ..._tree._traversal import TraversalStep
 from ._corpus import decode, encode
+from ._models import VOCAB
 from ._shipped import load_demo_models
 
 
@@ -58,15 +60,24 @@ TREE_PATHS: tuple[tuple[int, ...], ...] = (
     (0, 0, 0, 0, 0, 0),
     (0, 0, 0, 0, 0, 1),
 )
-VERIFICATIONS = ("target alone", "chain", "block", "tree", "traversal")
+VERIFICATIONS = (
+    "target alone",
+    "chain",
+    "prompt lookup",
+    "block",
+    "tree",
+    "traversal",
+)
 
 
 def demo_loop(
     verification: str, *, num_draft: int, max_new_tokens: int
 ) -> SpeculativeLoop:
     """The loop of one verification of the demo: the target alone ($G = 0$); a
-    chain of $G$ drafts verified token by token (`"chain"`) or by block
-    verification (`"block"`); or the `TREE_PATHS` template, its children drawn
+    chain of $G$ drafts verified token by token (`"chain"`, and `"prompt lookup"`,
+    whose drafts come from `PromptLookup` instead of the draft model:
+    `drafting_models`) or by block verification (`"block"`); or the `TREE_PATHS`
+    template, its children drawn
     without replacement, verified by recursive rejection sampling (`"tree"`) or by
     traversal verification (`"traversal"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
@@ -76,6 +87,9 @@ def demo_loop(
             num_draft=0, max_new_tokens=max_new_tokens
         ),
         "chain": lambda: SpeculativeLoop(
+            num_draft=num_draft, max_new_tokens=max_new_tokens
+        ),
+        "prompt lookup": lambda: SpeculativeLoop(
             num_draft=num_draft, max_new_tokens=max_new_tokens
         ),
         "block": lambda: SpeculativeLoop(
@@ -97,6 +111,15 @@ def demo_loop(
             f"verification must be one of {VERIFICATIONS}; got {verification!r}"
         )
     return loops[verification]()
+
+
+def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The models a verification's loop is called with: the demo's draft and
+    target, or for `"prompt lookup"` n-gram lookup in the row's history
+    ([`speculax.PromptLookup`][], no draft model) and the target."""
+    if verification == "prompt lookup":
+        return PromptLookup(VOCAB, max_ngram=4), models[1]
+    return models
 
 
 class LoopMeasurement(NamedTuple):
@@ -224,7 +247,9 @@ def measure_loop(
         loop = demo_loop(
             verification, num_draft=num_draft, max_new_tokens=max_new_tokens
         )
-        outputs, seconds = _timed_runs(loop, models, batch_size, repeats)
+        outputs, seconds = _timed_runs(
+            loop, drafting_models(verification, models), batch_size, repeats
+        )
         if progress is not None:
             progress(
                 f"{label}: {1000 * seconds:.1f} ms a run "
