@@ -3,11 +3,13 @@ written from its definition, what it reads, its refusals, and the loop with it
 lossless, exactly (by enumeration) and statistically (the jitted loop)."""
 
 import functools
+from typing import final
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import Array, Float, Int
 from scipy import stats
 
 import speculax
@@ -127,6 +129,42 @@ def test_loop_with_prompt_lookup_is_lossless_exactly(step, parameters):
         loop, lookup, target, [1, 0, 2, 1], **parameters
     )
     assert error < 1e-12
+
+
+@final
+class SmoothedDrafts(speculax.AbstractDraftSampling):
+    """A wrong drafter: half the drafts from the draft's row under the parameters,
+    half from the uniform row, so that prompt lookup's drafts are sampled, while a
+    `LogitsStep` verifies them as the deterministic one-hot rows of the logits."""
+
+    def __call__(
+        self,
+        logits: Float[Array, "batch vocab"],
+        temperature: Float[Array, " batch"] | None,
+        top_k: Int[Array, " batch"] | None,
+        top_p: Float[Array, " batch"] | None,
+    ) -> Float[Array, "batch vocab"]:
+        rows = speculax.SameAsTarget()(logits, temperature, top_k, top_p)
+        return 0.5 * rows + 0.5 / logits.shape[-1]
+
+
+# The exact test of a LogitsStep compiles the enumeration's programs anew: the
+# extended tier, beside its positive twin above.
+@pytest.mark.slow
+def test_the_exact_test_catches_sampled_drafts_verified_as_deterministic_ones():
+    _, target = markov_pair(4, 1, seed=5)
+    loop = speculax.SpeculativeLoop(
+        num_draft=2,
+        max_new_tokens=4,
+        end_token=3,
+        step=speculax.LogitsStep(),
+        draft_sampling=SmoothedDrafts(),
+    )
+    lookup = speculax.PromptLookup(4, max_ngram=2)
+    error = speculax.testing.loop_lossless_error(
+        loop, lookup, target, [1, 0, 2, 1], temperature=0.8, top_k=3
+    )
+    assert error > 0.01
 
 
 def test_jitted_loop_with_prompt_lookup_samples_the_target():
