@@ -77,9 +77,8 @@ def demo_loop(
     chain of $G$ drafts verified token by token (`"chain"`, and `"prompt lookup"`,
     whose drafts come from `PromptLookup` instead of the draft model:
     `drafting_models`) or by block verification (`"block"`); or the `TREE_PATHS`
-    template, its children drawn
-    without replacement, verified by recursive rejection sampling (`"tree"`) or by
-    traversal verification (`"traversal"`)."""
+    template, its children drawn without replacement, verified by recursive
+    rejection sampling (`"tree"`) or by traversal verification (`"traversal"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
     siblings = SiblingsWithoutReplacement()
     loops: dict[str, Callable[[], SpeculativeLoop]] = {
