@@ -14,7 +14,7 @@ from scipy import stats
 
 import speculax
 import speculax.testing
-from test_loop import STAT_TOKENS, markov_pair, sequence_counts
+from test_loop import STAT_TOKENS, MarkovModel, markov_pair, sequence_counts
 
 
 def reference_proposal(history: list[int], lowest: int, highest: int) -> int:
@@ -107,6 +107,28 @@ def test_numpy_integers_are_read_by_value(without_runtime_type_checks):
     assert type(lookup.vocab_size) is int
 
 
+def exact_error(
+    step: speculax.SpeculativeStep | speculax.LogitsStep,
+    draft_sampling: speculax.AbstractDraftSampling,
+    parameters: dict,
+) -> float:
+    """The loop's exact total variation with prompt lookup drafting, on a Markov
+    target of four tokens over four tokens after a prompt that repeats itself: one
+    setting for the tests and their negative control."""
+    _, target = markov_pair(4, 1, seed=5)
+    loop = speculax.SpeculativeLoop(
+        num_draft=2,
+        max_new_tokens=4,
+        end_token=3,
+        step=step,
+        draft_sampling=draft_sampling,
+    )
+    lookup = speculax.PromptLookup(4, max_ngram=2)
+    return speculax.testing.loop_lossless_error(
+        loop, lookup, target, [1, 0, 2, 1], **parameters
+    )
+
+
 @pytest.mark.parametrize(
     ("step", "parameters"),
     [
@@ -120,15 +142,7 @@ def test_numpy_integers_are_read_by_value(without_runtime_type_checks):
     ids=["SpeculativeStep", "LogitsStep top-k"],
 )
 def test_loop_with_prompt_lookup_is_lossless_exactly(step, parameters):
-    _, target = markov_pair(4, 1, seed=5)
-    loop = speculax.SpeculativeLoop(
-        num_draft=2, max_new_tokens=4, end_token=3, step=step
-    )
-    lookup = speculax.PromptLookup(4, max_ngram=2)
-    error = speculax.testing.loop_lossless_error(
-        loop, lookup, target, [1, 0, 2, 1], **parameters
-    )
-    assert error < 1e-12
+    assert exact_error(step, speculax.SameAsTarget(), parameters) < 1e-12
 
 
 @final
@@ -152,19 +166,8 @@ class SmoothedDrafts(speculax.AbstractDraftSampling):
 # extended tier, beside its positive twin above.
 @pytest.mark.slow
 def test_the_exact_test_catches_sampled_drafts_verified_as_deterministic_ones():
-    _, target = markov_pair(4, 1, seed=5)
-    loop = speculax.SpeculativeLoop(
-        num_draft=2,
-        max_new_tokens=4,
-        end_token=3,
-        step=speculax.LogitsStep(),
-        draft_sampling=SmoothedDrafts(),
-    )
-    lookup = speculax.PromptLookup(4, max_ngram=2)
-    error = speculax.testing.loop_lossless_error(
-        loop, lookup, target, [1, 0, 2, 1], temperature=0.8, top_k=3
-    )
-    assert error > 0.01
+    parameters = {"temperature": 0.8, "top_k": 3}
+    assert exact_error(speculax.LogitsStep(), SmoothedDrafts(), parameters) > 0.01
 
 
 def test_jitted_loop_with_prompt_lookup_samples_the_target():
@@ -177,13 +180,8 @@ def test_jitted_loop_with_prompt_lookup_samples_the_target():
 
 def test_prompt_lookup_keeps_drafts_of_text_that_repeats_itself():
     # A target that mostly cycles 0, 1, 2: the history holds its continuation.
-    cycle = jnp.log(
-        jnp.array([[0.05, 0.9, 0.05], [0.05, 0.05, 0.9], [0.9, 0.05, 0.05]])
-    )
-
-    def target(tokens, positions):
-        return cycle[jnp.take_along_axis(tokens, positions, axis=1)]
-
+    cycle = [[0.05, 0.9, 0.05], [0.05, 0.05, 0.9], [0.9, 0.05, 0.05]]
+    target = MarkovModel(np.log(np.array(cycle)), 1)
     loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=40)
     prompt = jnp.tile(jnp.array([0, 1, 2]), (64, 2))
     keys = jax.random.split(jax.random.key(0), 64)

@@ -88,9 +88,6 @@ def demo_loop(
         "chain": lambda: SpeculativeLoop(
             num_draft=num_draft, max_new_tokens=max_new_tokens
         ),
-        "prompt lookup": lambda: SpeculativeLoop(
-            num_draft=num_draft, max_new_tokens=max_new_tokens
-        ),
         "block": lambda: SpeculativeLoop(
             num_draft=num_draft, max_new_tokens=max_new_tokens, step=block_step()
         ),
@@ -105,6 +102,8 @@ def demo_loop(
             step=TraversalStep(siblings=siblings),
         ),
     }
+    # The chain's loop: only the drafting models differ (`drafting_models`).
+    loops["prompt lookup"] = loops["chain"]
     if verification not in loops:
         raise ValueError(
             f"verification must be one of {VERIFICATIONS}; got {verification!r}"
