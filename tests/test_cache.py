@@ -276,7 +276,7 @@ def test_loop_refuses_a_cache_of_the_wrong_layout():
 def test_loop_refuses_a_model_that_is_not_one():
     loop = speculax.SpeculativeLoop(num_draft=1, max_new_tokens=2)
     # With runtime type checking on (as in the tests), it fails there, naming it too.
-    with pytest.raises(TypeError, match="draft_model"):
+    with pytest.raises(TypeError, match="drafter"):
         loop(
             3,
             MarkovModel(np.zeros((3, 3)), 1),

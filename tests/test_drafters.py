@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxtyping import Array, Float, Int
+from jaxtyping import Float
 from scipy import stats
 
 import speculax
@@ -41,7 +41,7 @@ def test_proposals_follow_the_latest_longest_earlier_match(lowest, highest):
     # Three tokens: repeats of every length up to four are common.
     tokens = rng.integers(0, 3, size=(16, 14))
     positions = np.broadcast_to(np.arange(14), tokens.shape)
-    lookup = speculax.PromptLookup(3, min_ngram=lowest, max_ngram=highest)
+    lookup = speculax.PromptLookup(min_ngram=lowest, max_ngram=highest)
     got = np.asarray(proposals_of(lookup)(jnp.asarray(tokens), jnp.asarray(positions)))
     for b, row in enumerate(tokens.tolist()):
         expected = [
@@ -57,7 +57,7 @@ def test_proposals_read_only_the_history():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 4, size=(8, 20))
     positions = rng.integers(0, 20, size=(8, 3))
-    lookup = speculax.PromptLookup(4)
+    lookup = speculax.PromptLookup()
     before = proposals_of(lookup)(jnp.asarray(tokens), jnp.asarray(positions))
     # Anything past each row's last position read: the buffer's stale drafts.
     past = np.arange(20)[None, :] > positions.max(axis=1, keepdims=True)
@@ -66,32 +66,42 @@ def test_proposals_read_only_the_history():
     np.testing.assert_array_equal(before, after)
 
 
-def test_the_drafts_are_deterministic_under_any_sampling_parameters():
-    tokens = jnp.array([[2, 0, 1, 2, 0], [1, 1, 1, 1, 1]])
-    positions = jnp.array([[4, 3], [0, 4]])
-    lookup = speculax.PromptLookup(5)
-    logits = lookup(tokens, positions)
-    assert logits.shape == (2, 2, 5)
-    proposed = lookup.proposals(tokens, positions)
-    assert proposed.tolist() == [[1, 0], [1, 1]]
-    one_hot = jax.nn.one_hot(proposed, 5)
-    for parameters in ({}, {"temperature": 0.3, "top_k": 2}, {"top_p": 0.5}):
-        q = speculax.probs_from_logits(logits, **parameters)
-        np.testing.assert_array_equal(q, one_hot)
+@pytest.mark.parametrize("parameters", [{}, {"temperature": 0.3, "top_k": 2}])
+def test_a_round_drafts_the_chain_of_proposals_without_rows(parameters):
+    """Each draft is the proposal after the history and the drafts before it,
+    whatever the uniforms and the sampling parameters, and comes without rows: the
+    step verifies deterministic drafts."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 3, size=(6, 9))
+    lengths = np.array([9, 4, 1, 7, 9, 2])
+    _, target = markov_pair(3, 1, seed=2)
+    loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=3)
+    lookup = speculax.PromptLookup(max_ngram=2)
+    state = loop.start(
+        lookup, target, jnp.asarray(prompt), jnp.asarray(lengths), **parameters
+    )
+    for seed in range(2):
+        uniforms = jax.random.uniform(jax.random.key(seed), (6, 4))
+        drafts = lookup.draft(state, uniforms, 4, speculax.SameAsTarget())
+        assert drafts.rows is None and drafts.state is None
+        for b, length in enumerate(lengths.tolist()):
+            history = prompt[b, :length].tolist()
+            for _ in range(4):
+                history.append(reference_proposal(history, 1, 2))
+            assert drafts.tokens[b].tolist() == history[length:]
 
 
 @pytest.mark.parametrize(
     ("arguments", "error", "match"),
     [
-        ({"vocab_size": 0}, ValueError, "vocab_size must be positive; got 0"),
-        ({"vocab_size": 4, "min_ngram": 0}, ValueError, "min_ngram must be positive"),
+        ({"min_ngram": 0}, ValueError, "min_ngram must be positive; got 0"),
         (
-            {"vocab_size": 4, "min_ngram": 3, "max_ngram": 2},
+            {"min_ngram": 3, "max_ngram": 2},
             ValueError,
             "min_ngram must be at most max_ngram; got min_ngram=3 and max_ngram=2",
         ),
-        ({"vocab_size": 4.0}, TypeError, "vocab_size must be an integer"),
-        ({"vocab_size": 4, "max_ngram": True}, TypeError, "max_ngram must be an"),
+        ({"min_ngram": 2.0}, TypeError, "min_ngram must be an integer"),
+        ({"max_ngram": True}, TypeError, "max_ngram must be an"),
     ],
 )
 def test_bad_construction(arguments, error, match, without_runtime_type_checks):
@@ -102,30 +112,28 @@ def test_bad_construction(arguments, error, match, without_runtime_type_checks):
 def test_numpy_integers_are_read_by_value(without_runtime_type_checks):
     """NumPy integers, which runtime type checking refuses for an `int`, are read
     by value without it."""
-    lookup = speculax.PromptLookup(np.int64(6), max_ngram=np.uint8(2))
-    assert (lookup.vocab_size, lookup.max_ngram) == (6, 2)
-    assert type(lookup.vocab_size) is int
+    lookup = speculax.PromptLookup(min_ngram=np.int64(2), max_ngram=np.uint8(2))
+    assert (lookup.min_ngram, lookup.max_ngram) == (2, 2)
+    assert type(lookup.min_ngram) is int and type(lookup.max_ngram) is int
 
 
 def exact_error(
-    step: speculax.SpeculativeStep | speculax.LogitsStep,
-    draft_sampling: speculax.AbstractDraftSampling,
-    parameters: dict,
+    drafter: speculax.AbstractDrafter,
+    step: speculax.SpeculativeStep | speculax.LogitsStep | None = None,
+    parameters: dict | None = None,
 ) -> float:
-    """The loop's exact total variation with prompt lookup drafting, on a Markov
-    target of four tokens over four tokens after a prompt that repeats itself: one
-    setting for the tests and their negative control."""
+    """The loop's exact total variation with a drafter, on a Markov target of four
+    tokens over four tokens after a prompt that repeats itself: one setting for the
+    tests and their negative controls."""
     _, target = markov_pair(4, 1, seed=5)
     loop = speculax.SpeculativeLoop(
         num_draft=2,
         max_new_tokens=4,
         end_token=3,
-        step=step,
-        draft_sampling=draft_sampling,
+        step=step or speculax.SpeculativeStep(),
     )
-    lookup = speculax.PromptLookup(4, max_ngram=2)
     return speculax.testing.loop_lossless_error(
-        loop, lookup, target, [1, 0, 2, 1], **parameters
+        loop, drafter, target, [1, 0, 2, 1], **(parameters or {})
     )
 
 
@@ -142,38 +150,91 @@ def exact_error(
     ids=["SpeculativeStep", "LogitsStep top-k"],
 )
 def test_loop_with_prompt_lookup_is_lossless_exactly(step, parameters):
-    assert exact_error(step, speculax.SameAsTarget(), parameters) < 1e-12
+    lookup = speculax.PromptLookup(max_ngram=2)
+    assert exact_error(lookup, step, parameters) < 1e-12
 
 
 @final
-class SmoothedDrafts(speculax.AbstractDraftSampling):
-    """A wrong drafter: half the drafts from the draft's row under the parameters,
-    half from the uniform row, so that prompt lookup's drafts are sampled, while a
-    `LogitsStep` verifies them as the deterministic one-hot rows of the logits."""
+class BigramDrafter(speculax.AbstractDrafter):
+    """A drafter of its own, without a state: draft $i$ drawn by inverse CDF from
+    the softmax of `table[last token]`. With `misreported`, it reports the rows of
+    half the logits, not those it drew from."""
 
-    def __call__(
-        self,
-        logits: Float[Array, "batch vocab"],
-        temperature: Float[Array, " batch"] | None,
-        top_k: Int[Array, " batch"] | None,
-        top_p: Float[Array, " batch"] | None,
-    ) -> Float[Array, "batch vocab"]:
-        rows = speculax.SameAsTarget()(logits, temperature, top_k, top_p)
-        return 0.5 * rows + 0.5 / logits.shape[-1]
+    table: Float[np.ndarray, "vocab vocab"]
+    misreported: bool = False
+
+    def init(self, prompt, slots, num_draft, vocab_size):
+        return None
+
+    def draft(self, state, uniforms, num_draft, draft_sampling):
+        rows = jnp.arange(state.buffer.shape[0])
+        last = state.buffer[rows, state.length - 1]
+        tokens, logits = [], []
+        for i in range(num_draft):
+            logits.append(jnp.asarray(self.table)[last])
+            last = speculax.InverseCDF()(jax.nn.softmax(logits[-1]), uniforms[:, i])
+            tokens.append(last)
+        logits = jnp.stack(logits, axis=1)
+        reported = logits / 2 if self.misreported else logits
+        return speculax.Drafts(
+            jnp.stack(tokens, axis=1),
+            speculax.DraftRows(reported, jax.nn.softmax(reported)),
+            None,
+        )
+
+    def drawn_after(self, tokens, positions, parameters, draft_sampling):
+        last = jnp.take_along_axis(tokens, positions, axis=1)
+        logits = jnp.asarray(self.table)[last]
+        return speculax.DraftRows(logits, jax.nn.softmax(logits))
 
 
-# The exact test of a LogitsStep compiles the enumeration's programs anew: the
-# extended tier, beside its positive twin above.
-@pytest.mark.slow
-def test_the_exact_test_catches_sampled_drafts_verified_as_deterministic_ones():
-    parameters = {"temperature": 0.8, "top_k": 3}
-    assert exact_error(speculax.LogitsStep(), SmoothedDrafts(), parameters) > 0.01
+def test_a_drafter_of_ones_own_is_checked_exactly():
+    draft, _ = markov_pair(4, 1, seed=3)
+    assert exact_error(BigramDrafter(draft.logits)) < 1e-12
+
+
+@final
+class SampledLookup(speculax.AbstractDrafter):
+    """A wrong drafter: prompt lookup's proposals, each replaced half the time by a
+    uniformly drawn token, reported as deterministic drafts."""
+
+    def init(self, prompt, slots, num_draft, vocab_size):
+        return None
+
+    def draft(self, state, uniforms, num_draft, draft_sampling):
+        drafts = speculax.PromptLookup(max_ngram=2).draft(
+            state, uniforms, num_draft, draft_sampling
+        )
+        drawn = jnp.floor((uniforms - 0.5) * 8).astype(jnp.int32)
+        return drafts._replace(tokens=jnp.where(uniforms < 0.5, drafts.tokens, drawn))
+
+    def drawn_after(self, tokens, positions, parameters, draft_sampling):
+        return speculax.PromptLookup(max_ngram=2).proposals(tokens, positions)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "match"),
+    [
+        (
+            SampledLookup(),
+            r"gives the drafts \[\d, \d\], it drew \[\d, \d\] and reported the",
+        ),
+        (
+            BigramDrafter(markov_pair(4, 1, seed=3)[0].logits, misreported=True),
+            "reported other rows",
+        ),
+    ],
+    ids=["sampled drafts reported as deterministic", "rows not those drawn from"],
+)
+def test_the_exact_test_refuses_a_drafter_that_breaks_its_promise(drafter, match):
+    with pytest.raises(ValueError, match=match):
+        exact_error(drafter)
 
 
 def test_jitted_loop_with_prompt_lookup_samples_the_target():
     _, target = markov_pair(3, 1, seed=11)
     loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=STAT_TOKENS)
-    observed, expected = sequence_counts(loop, speculax.PromptLookup(3), target)
+    observed, expected = sequence_counts(loop, speculax.PromptLookup(), target)
     assert len(observed) > 15
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
@@ -185,7 +246,7 @@ def test_prompt_lookup_keeps_drafts_of_text_that_repeats_itself():
     loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=40)
     prompt = jnp.tile(jnp.array([0, 1, 2]), (64, 2))
     keys = jax.random.split(jax.random.key(0), 64)
-    out = loop(speculax.PromptLookup(3), target, prompt, key=keys)
+    out = loop(speculax.PromptLookup(), target, prompt, key=keys)
     # Each call keeps on average more than one draft, where wrong drafts (the last
     # token again, say) would keep about one in twenty.
     tokens_per_call = np.mean(out["num_tokens"] / out["num_steps"])

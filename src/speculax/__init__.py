@@ -37,6 +37,11 @@ from ._loop._cache import (
     FullRead as FullRead,
 )
 from ._loop._draft_tree import DraftTree as DraftTree
+from ._loop._drafter import (
+    AbstractDrafter as AbstractDrafter,
+    DraftRows as DraftRows,
+    Drafts as Drafts,
+)
 from ._loop._keys import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,
@@ -46,8 +51,10 @@ from ._loop._keys import (
 )
 from ._loop._loop import SpeculativeLoop as SpeculativeLoop
 from ._loop._model import LanguageModel as LanguageModel
+from ._loop._model_drafter import ModelDrafter as ModelDrafter
 from ._loop._sampling import (
     AbstractDraftSampling as AbstractDraftSampling,
+    RowParameters as RowParameters,
     SameAsTarget as SameAsTarget,
 )
 from ._loop._state import LoopOutput as LoopOutput, LoopState as LoopState

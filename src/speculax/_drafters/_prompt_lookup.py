@@ -9,37 +9,36 @@ from jaxtyping import Array, Float, Int
 
 from .._core._checks import check_static_int
 from .._core._numerics import integer_by_value
+from .._loop._drafter import AbstractDrafter, Drafts
+from .._loop._sampling import AbstractDraftSampling, RowParameters
+from .._loop._state import LoopState
 
 
 @final
-class PromptLookup(eqx.Module):
-    """N-gram prompt lookup as a draft model: the next token proposed after a
-    history is the one that followed the latest earlier occurrence of the
+class PromptLookup(AbstractDrafter):
+    """N-gram prompt lookup, a drafter without a draft model: the token proposed
+    after a history is the one that followed the latest earlier occurrence of the
     history's longest suffix of $n \\in [n_\\min, n_\\max]$ tokens (prompt and
     generated text alike), or the history's last token when no suffix of
     $n_\\min$ tokens occurred before.
 
-    It is a [`speculax.LanguageModel`][] whose logits are $0$ at the proposed token
-    and $-\\infty$ elsewhere, so that under any temperature, top-$k$ or top-$p$ the
-    draft's row $q_i$ is the one-hot of the proposal: deterministic drafts, which
-    the step verifies by the target's probability of each one (a draft passes with
-    probability $p_i(x_i)$, and the correction is drawn from $p_i$ without $x_i$).
-    The loop calls it once per draft of a chain, and each call looks up the history
-    with the drafts before it appended, so a match is followed token by token as
-    far as the chain goes. It reads only the tokens up to each position, as the
-    loop requires of a model, and a row's proposals never depend on the other rows.
+    Its drafts are deterministic: a function of the history alone, drawn from no
+    row, which the step verifies as such (a draft passes with the target's
+    probability of it, and the correction is drawn from the target's row without
+    it), under any temperature, top-$k$ or top-$p$. Draft $i$ of a chain is the
+    proposal after the history with the drafts before it appended, so a match is
+    followed token by token as far as the chain goes. It keeps no state, reads only
+    the history, and a row's proposals never depend on the other rows.
 
-    The loop is lossless with it as with any draft model: the drafts' quality moves
+    The loop is lossless with it as with any drafter: the drafts' quality moves
     only how many are accepted (high on text that repeats its context, such as
-    code, documents quoted in answers or edits; `docs/loop.md`, "Drafting without
-    a model").
+    code, documents quoted in answers or edits; `docs/loop.md`, "Prompt
+    lookup").
 
     **Arguments:**
 
-    - `vocab_size`: $V$, the size of the vocabulary of the logits it returns, a
-        positive static integer (the target model's).
-    - `min_ngram`, `max_ngram`: keyword only, $n_\\min$ and $n_\\max$, the shortest
-        and longest suffix looked up, static integers with
+    - `min_ngram`, `max_ngram`: keyword only, $n_\\min$ and $n_\\max$, the
+        shortest and longest suffix looked up, static integers with
         $1 \\le n_\\min \\le n_\\max$. Defaults 1 and 3.
 
     **Example:**
@@ -48,14 +47,13 @@ class PromptLookup(eqx.Module):
     import jax.numpy as jnp
     import speculax
 
-    lookup = speculax.PromptLookup(vocab_size=10, max_ngram=2)
+    lookup = speculax.PromptLookup(max_ngram=2)
     history = jnp.array([[5, 1, 2, 7, 5, 1]])
     # The suffix [5, 1] occurred before, followed by 2.
     assert lookup.proposals(history, jnp.array([[5]])).tolist() == [[2]]
     ```
     """
 
-    vocab_size: int = eqx.field(static=True, converter=integer_by_value)
     min_ngram: int = eqx.field(
         static=True, default=1, kw_only=True, converter=integer_by_value
     )
@@ -64,7 +62,6 @@ class PromptLookup(eqx.Module):
     )
 
     def __check_init__(self):
-        check_static_int("vocab_size", self.vocab_size, minimum=1)
         check_static_int("min_ngram", self.min_ngram, minimum=1)
         check_static_int("max_ngram", self.max_ngram, minimum=1)
         if self.min_ngram > self.max_ngram:
@@ -73,26 +70,43 @@ class PromptLookup(eqx.Module):
                 f" and max_ngram={self.max_ngram}"
             )
 
-    def __call__(
-        self, tokens: Int[Array, "batch time"], positions: Int[Array, "batch positions"]
-    ) -> Float[Array, "batch positions vocab"]:
-        """The logits of the token after each position, as a
-        [`speculax.LanguageModel`][] gives them.
+    def init(
+        self,
+        prompt: Int[Array, "batch prompt"],
+        slots: int,
+        num_draft: int,
+        vocab_size: int,
+    ) -> None:
+        return None
 
-        **Arguments:**
+    def draft(
+        self,
+        state: LoopState,
+        uniforms: Float[Array, "batch draft"],
+        num_draft: int,
+        draft_sampling: AbstractDraftSampling,
+    ) -> Drafts:
+        rows = jnp.arange(state.buffer.shape[0])
 
-        - `tokens`: integer `(B, T)`, the rows' histories (and anything past them).
-        - `positions`: integer `(B, K)`, positions in `[0, T)`.
+        def propose(i: Int[Array, ""], buffer: Int[Array, "batch time"]) -> Array:
+            last = state.length - 1 + i
+            proposed = self.proposals(buffer, last[:, None])[:, 0]
+            return buffer.at[rows, last + 1].set(proposed)
 
-        **Returns:**
+        buffer = jax.lax.fori_loop(0, num_draft, propose, state.buffer)
+        tokens = jnp.take_along_axis(
+            buffer, state.length[:, None] + jnp.arange(num_draft), axis=1
+        )
+        return Drafts(tokens, None, None)
 
-        float32 `(B, K, V)`: $0$ at the proposal after `tokens[b, :positions[b, k]
-        + 1]` (`proposals`), $-\\infty$ elsewhere.
-        """
-        proposed = self.proposals(tokens, positions)
-        return jnp.where(
-            jnp.arange(self.vocab_size) == proposed[..., None], 0.0, -jnp.inf
-        ).astype(jnp.float32)
+    def drawn_after(
+        self,
+        tokens: Int[Array, "batch time"],
+        positions: Int[Array, "batch positions"],
+        parameters: RowParameters,
+        draft_sampling: AbstractDraftSampling,
+    ) -> Int[Array, "batch positions"]:
+        return self.proposals(tokens, positions)
 
     def proposals(
         self, tokens: Int[Array, "batch time"], positions: Int[Array, "batch positions"]
@@ -101,7 +115,8 @@ class PromptLookup(eqx.Module):
 
         **Arguments:**
 
-        As for `__call__`.
+        - `tokens`: integer `(B, T)`, the rows' histories (and anything past them).
+        - `positions`: integer `(B, K)`, positions in `[0, T)`.
 
         **Returns:**
 

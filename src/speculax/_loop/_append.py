@@ -36,9 +36,9 @@ def append_verified(
     - `state`: the [`speculax.LoopState`][] before the round.
     - `buffer`: int32 `(B, T)`, `state.buffer`, with the round's drafts written
         for a chain.
-    - `caches`: the draft and target models' caches after the round: the slots of
-        rejected drafts lie past the new history and are written over by the next
-        round.
+    - `caches`: the drafter's state and the target model's cache after the
+        round: the slots of rejected drafts lie past the new history and are
+        written over by the next round.
     - `verified`: what the step kept, as `Verified`.
     - `max_new_tokens`: $N$, a static integer.
     - `end_tokens`: the static token ids that end a row, none for none.
@@ -73,7 +73,7 @@ def append_verified(
             jnp.where(active, verified.num_accepted, -1)
         ),
         step=state.step + 1,
-        draft_cache=caches[0],
+        drafter_state=caches[0],
         target_cache=caches[1],
         temperature=state.temperature,
         top_k=state.top_k,

@@ -17,11 +17,13 @@ from .._logits._step import LogitsStep
 from .._pieces._acceptance import GreedyAcceptance
 from .._tree._abstract import AbstractTreeStep
 from .._tree._siblings import IndependentSiblings, SiblingsWithoutReplacement
-from ._cache import AbstractCachedModel, as_cached_model, empty_cache, read_history
+from ._cache import AbstractCachedModel, as_cached_model, read_history
 from ._chain_round import chain_round
 from ._draft_tree import DraftTree
+from ._drafter import AbstractDrafter
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
+from ._model_drafter import ModelDrafter, as_drafter
 from ._sampling import (
     AbstractDraftSampling,
     RowParameters,
@@ -44,8 +46,8 @@ def _end_token_ids(
 
 @final
 class SpeculativeLoop(eqx.Module):
-    """Speculative sampling: the draft model proposes $G$ tokens (or a tree of
-    them), the target model scores them in one call, a verification step keeps some
+    """Speculative sampling: a drafter proposes $G$ tokens (or a draft model a tree
+    of them), the target model scores them in one call, a verification step keeps some
     and draws one more, and the row's history grows by those tokens; repeated until
     each row has $N$ new tokens or has emitted the end token.
 
@@ -59,7 +61,9 @@ class SpeculativeLoop(eqx.Module):
     sampling parameters per row (temperature, top-$k$, top-$p$, given to the call),
     $p_i$ and $q_i$ are the models' logits under the row's parameters, as
     [`speculax.probs_from_logits`][] defines them, and the tokens are distributed as
-    if sampled from the target under them.
+    if sampled from the target under them. A drafter other than a draft model (a
+    [`speculax.AbstractDrafter`][], such as [`speculax.PromptLookup`][]) gives its
+    own rows, or deterministic drafts, which the step verifies as such.
 
     With a `draft_tree`, the draft model fills a [`speculax.DraftTree`][] level by
     level, the target scores every node in one call with the ancestor mask, a tree
@@ -210,7 +214,7 @@ class SpeculativeLoop(eqx.Module):
 
     def __call__(
         self,
-        draft_model: AbstractCachedModel | LanguageModel,
+        drafter: AbstractDrafter | AbstractCachedModel | LanguageModel,
         target_model: AbstractCachedModel | LanguageModel,
         prompt: InputArray,
         *,
@@ -224,12 +228,16 @@ class SpeculativeLoop(eqx.Module):
 
         **Arguments:**
 
-        - `draft_model`, `target_model`: models on the same vocabulary, each a
-            [`speculax.AbstractCachedModel`][], which reads only the new tokens at
-            each call, or a [`speculax.LanguageModel`][], a callable
-            `(tokens, positions) -> logits` that reads the whole history (the loop
-            wraps it in [`speculax.Cacheless`][]). Equinox modules (or any PyTree of
-            arrays) are traced, not baked in as constants.
+        - `drafter`: what proposes the drafts, a [`speculax.AbstractDrafter`][]
+            ([`speculax.PromptLookup`][], say), or a draft model on the target's
+            vocabulary, which the loop drafts with as a
+            [`speculax.ModelDrafter`][] (a draft tree needs one).
+        - `target_model`: a [`speculax.AbstractCachedModel`][], which reads only
+            the new tokens at each call, or a [`speculax.LanguageModel`][], a
+            callable `(tokens, positions) -> logits` that reads the whole history
+            (the loop wraps it in [`speculax.Cacheless`][]). Models given as
+            Equinox modules (or any PyTree of arrays) are traced, not baked in as
+            constants.
         - `prompt`: integer `(B, P)`, the prompts, $P \\ge 1$.
         - `key`: keyword only, a JAX PRNG key, or one per row (shape `(B,)`) to make
             each row's tokens independent of the batch it runs in.
@@ -269,7 +277,7 @@ class SpeculativeLoop(eqx.Module):
         )
         return _generate(
             self,
-            as_cached_model(draft_model, "draft_model"),
+            as_drafter(drafter, tree=self.draft_tree is not None),
             as_cached_model(target_model, "target_model"),
             prompt,
             prompt_lengths,
@@ -279,7 +287,7 @@ class SpeculativeLoop(eqx.Module):
 
     def start(
         self,
-        draft_model: AbstractCachedModel | LanguageModel,
+        drafter: AbstractDrafter | AbstractCachedModel | LanguageModel,
         target_model: AbstractCachedModel | LanguageModel,
         prompt: Int[Array, "batch prompt"],
         prompt_length: Int[Array, " batch"],
@@ -293,9 +301,7 @@ class SpeculativeLoop(eqx.Module):
 
         **Arguments:**
 
-        - `draft_model`, `target_model`: [`speculax.AbstractCachedModel`][]s, or
-            [`speculax.LanguageModel`][]s, which are given a cache by
-            [`speculax.Cacheless`][].
+        - `drafter`, `target_model`: as for `__call__`.
         - `prompt`: int32 `(B, P)`, the prompts.
         - `prompt_length`: int32 `(B,)`, each in `[1, P]`.
         - `temperature`, `top_k`, `top_p`: keyword only, each row's sampling
@@ -304,8 +310,9 @@ class SpeculativeLoop(eqx.Module):
         **Returns:**
 
         A [`speculax.LoopState`][] whose buffer holds each prompt, with room for
-        `max_new_tokens` tokens and the drafts of one step beyond, and whose caches
-        have a slot for each entry of the buffer.
+        `max_new_tokens` tokens and the drafts of one step beyond, with the
+        drafter's state and the target's cache, a slot for each entry of the
+        buffer.
         """
         if not self.allow_lossy:
             _check_greedy_parameters(self.step, temperature, top_k, top_p)
@@ -318,7 +325,7 @@ class SpeculativeLoop(eqx.Module):
         )
         return _initial_state(
             self,
-            as_cached_model(draft_model, "draft_model"),
+            as_drafter(drafter, tree=self.draft_tree is not None),
             as_cached_model(target_model, "target_model"),
             prompt,
             prompt_length,
@@ -363,7 +370,7 @@ class SpeculativeLoop(eqx.Module):
 
     def advance(
         self,
-        draft_model: AbstractCachedModel | LanguageModel,
+        drafter: AbstractDrafter | AbstractCachedModel | LanguageModel,
         target_model: AbstractCachedModel | LanguageModel,
         state: LoopState,
         draft_uniforms: Float[Array, "batch draft"],
@@ -380,7 +387,7 @@ class SpeculativeLoop(eqx.Module):
 
         **Arguments:**
 
-        - `draft_model`, `target_model`: the models `start` was given.
+        - `drafter`, `target_model`: those `start` was given.
         - `state`: the [`speculax.LoopState`][] before the step.
         - `draft_uniforms`: float `(B, G)`, draft token $i$ drawn from $q_i$ by
             inverse CDF with uniform $i$; for a tree `(B, N)`, node $j$'s with
@@ -394,15 +401,14 @@ class SpeculativeLoop(eqx.Module):
         The [`speculax.LoopState`][] after the step. A finished row keeps its
         history and counts (its buffer past the history takes the step's drafts).
         """
-        models = (
-            as_cached_model(draft_model, "draft_model"),
-            as_cached_model(target_model, "target_model"),
-        )
+        drafter = as_drafter(drafter, tree=self.draft_tree is not None)
+        target = as_cached_model(target_model, "target_model")
         uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
         if self.draft_tree is not None:
             assert isinstance(self.step, AbstractTreeStep)
+            assert isinstance(drafter, ModelDrafter)
             return tree_round(
-                models,
+                (drafter.cached_model, target),
                 state,
                 uniforms,
                 self.draft_tree,
@@ -414,7 +420,8 @@ class SpeculativeLoop(eqx.Module):
         assert self.num_draft is not None
         assert isinstance(self.step, SpeculativeStep | LogitsStep)
         return chain_round(
-            models,
+            drafter,
+            target,
             state,
             uniforms,
             self.num_draft,
@@ -479,16 +486,6 @@ def _check_step(
             "the loop needs a step that checks values and raises "
             "(check_values=True, throw=True): a row it could not verify would "
             "have no token to append"
-        )
-
-
-def _check_same_vocabulary(draft: int, target: int) -> None:
-    """Raises unless the draft and the target model score the same vocabulary."""
-    if draft != target:
-        raise ValueError(
-            f"draft_model and target_model must score the same vocabulary: "
-            f"draft_model gives logits over V = {draft} tokens, target_model over "
-            f"V = {target}"
         )
 
 
@@ -582,7 +579,7 @@ def _index_inputs(
 @eqx.filter_jit
 def _generate(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel,
+    drafter: AbstractDrafter,
     target_model: AbstractCachedModel,
     prompt: Int[Array, "batch prompt"],
     prompt_length: Int[Array, " batch"],
@@ -615,11 +612,11 @@ def _generate(
 
     def body(state: LoopState) -> LoopState:
         return loop.advance(
-            draft_model, target_model, state, *loop.uniforms(row_key, state.step)
+            drafter, target_model, state, *loop.uniforms(row_key, state.step)
         )
 
     start = _initial_state(
-        loop, draft_model, target_model, prompt, prompt_length, parameters
+        loop, drafter, target_model, prompt, prompt_length, parameters
     )
     final = jax.lax.while_loop(lambda state: ~state.done.all(), body, start)
     return loop.output(final)
@@ -627,14 +624,15 @@ def _generate(
 
 def _initial_state(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel,
+    drafter: AbstractDrafter,
     target_model: AbstractCachedModel,
     prompt: Int[Array, "batch prompt"],
     prompt_length: Int[Array, " batch"],
     parameters: RowParameters,
 ) -> LoopState:
     """[`speculax.SpeculativeLoop.start`][] once its arguments are read: the
-    buffer, each model's cache filled with the prompts, and the parameters."""
+    buffer, the drafter's state and the target's cache after the prompts, and the
+    parameters."""
     batch = prompt.shape[0]
     padding = jnp.zeros((batch, loop.max_new_tokens + loop.num_nodes + 1), jnp.int32)
     buffer = jnp.concatenate([prompt, padding], axis=1)
@@ -642,13 +640,7 @@ def _initial_state(
     target_logits, target_cache = read_history(
         target_model, prompt, slots, "target_model"
     )
-    if loop.num_nodes:
-        draft_logits, draft_cache = read_history(
-            draft_model, prompt, slots, "draft_model"
-        )
-        _check_same_vocabulary(draft_logits.shape[-1], target_logits.shape[-1])
-    else:
-        draft_cache = empty_cache(draft_model, batch, slots, "draft_model")
+    drafter_state = drafter.init(prompt, slots, loop.num_nodes, target_logits.shape[-1])
     return LoopState(
         buffer=buffer,
         prompt_length=prompt_length,
@@ -657,7 +649,7 @@ def _initial_state(
         num_steps=jnp.zeros((batch,), jnp.int32),
         num_accepted=jnp.full((batch, loop.max_new_tokens), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
-        draft_cache=draft_cache,
+        drafter_state=drafter_state,
         target_cache=target_cache,
         temperature=parameters.temperature,
         top_k=parameters.top_k,

@@ -45,12 +45,14 @@ class LoopState(eqx.Module):
     - `num_accepted`: int32 `(B, N)`, the draft tokens the step accepted in each
         step, `-1` for steps not taken.
     - `step`: int32 scalar, the number of steps taken by the batch.
-    - `draft_cache`, `target_cache`: each model's cache (see
+    - `drafter_state`: the drafter's state (see [`speculax.AbstractDrafter`][]):
+        for a draft model ([`speculax.ModelDrafter`][]) its cache, whose first
+        `length - 2` slots hold the history (the round reads the last two tokens
+        again, the draft having not read the last draft it proposed).
+    - `target_cache`: the target model's cache (see
         [`speculax.AbstractCachedModel`][]), arrays of shape `(B, P + N + G + 1,
-        ...)`, one slot per entry of the buffer. The target's first `length - 1`
-        slots hold the history, all but its last token; the draft's first
-        `length - 2` (the round reads the last two tokens again, the draft having
-        not read the last draft it proposed).
+        ...)`, one slot per entry of the buffer, the first `length - 1` holding
+        the history, all but its last token.
     - `temperature`, `top_k`, `top_p`: each row's sampling parameters, `(B,)` each,
         which the draft is drawn under and the step verifies by; `None` each for a
         loop given none and verifying with a [`speculax.SpeculativeStep`][] (the
@@ -67,7 +69,7 @@ class LoopState(eqx.Module):
     num_steps: Int[Array, " batch"]
     num_accepted: Int[Array, "batch new"]
     step: Int[Array, ""]
-    draft_cache: PyTree[Shaped[Array, "batch time ..."]]
+    drafter_state: PyTree
     target_cache: PyTree[Shaped[Array, "batch time ..."]]
     temperature: Float[Array, " batch"] | None
     top_k: Int[Array, " batch"] | None

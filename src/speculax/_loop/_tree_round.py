@@ -170,7 +170,7 @@ def draft_tree(
     rows = jnp.arange(batch)
     first = jnp.maximum(state.length - 2, 0)
     logits, after_root = read_chain(
-        draft_model, state.buffer, first, 2, state.draft_cache
+        draft_model, state.buffer, first, 2, state.drafter_state
     )
     logits = logits[rows, state.length - 1 - first]
     probs = _sampled(draft_sampling, logits[:, None], state)[:, 0]

@@ -14,9 +14,11 @@ from jaxtyping import ArrayLike
 from .._core._numerics import static_integer
 from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
+from .._loop._drafter import AbstractDrafter, DraftRows
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
+from .._loop._model_drafter import ModelDrafter, as_drafter, history_logits
 from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
 from .._loop._tree_round import draft_tree
@@ -24,13 +26,14 @@ from .._tree._abstract import AbstractTreeStep
 from ._cells import Constraints, Leaf, Name, States, history_buffer
 from ._chain import in_chunks
 from ._loop_caches import (
+    Models,
     cache_faults,
     check_caches,
+    check_drafter_state,
     filled_caches,
     scrambled_caches,
 )
 from ._loop_cells import (
-    history_logits,
     per_row,
     piece_name,
     step_leaves,
@@ -41,7 +44,7 @@ from ._loop_tree_cells import tree_step_leaves
 
 def loop_output_distribution(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel | LanguageModel,
+    drafter: AbstractDrafter | AbstractCachedModel | LanguageModel,
     target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     *,
@@ -60,9 +63,12 @@ def loop_output_distribution(
     it is known to lie in:
 
     - draft token $i$ is $x$ exactly when its `DRAFT` number falls in $x$'s cell of
-        the cumulative distribution of $q_i$ (what `loop.draft_sampling` makes of
-        the draft model's logits after the history and $x_{<i}$: by default their
-        softmax, under the sampling parameters if any);
+        the cumulative distribution of $q_i$, the row
+        [`speculax.AbstractDrafter.drawn_after`][] gives after the history and
+        $x_{<i}$ (for a draft model, what `loop.draft_sampling` makes of its
+        logits: by default their softmax, under the sampling parameters if any);
+        for deterministic drafts, exactly when $x$ is the token it proposes,
+        whatever the number;
     - test $i$ passes exactly when its `ACCEPT` number lies below the threshold
         found by bisection on `loop.step.acceptance` (as
         [`speculax.testing.output_distribution`][] does);
@@ -109,8 +115,12 @@ def loop_output_distribution(
 
     - `loop`: the [`speculax.SpeculativeLoop`][], with its step, $G$, end token and
         key schedule.
-    - `draft_model`, `target_model`: models, each a
-        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
+    - `drafter`: a [`speculax.AbstractDrafter`][], or a draft model, as the loop
+        takes it. A drafter other than a draft model must keep no state (its
+        state is filled afresh from each history, which is checked for a draft
+        model's cache only).
+    - `target_model`: a [`speculax.AbstractCachedModel`][] or a
+        [`speculax.LanguageModel`][].
     - `prompt`: one prompt, a sequence of at least one token.
     - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
         parameters, as the loop takes them (a Python number or a scalar each):
@@ -137,7 +147,12 @@ def loop_output_distribution(
     more than two million cells in one step.
     """
     prompt = _checked_prompt(prompt, target_model)
+    models = (
+        as_drafter(drafter, tree=loop.draft_tree is not None),
+        as_cached_model(target_model, "target_model"),
+    )
     with jax.enable_x64(True):
+        check_drafter_state(loop, models, jnp.asarray([prompt], jnp.int32))
         parameters = row_parameters(
             temperature,
             top_k,
@@ -162,8 +177,7 @@ def loop_output_distribution(
             state_list = list(states.items())
             leaves = (step_leaves if loop.draft_tree is None else tree_step_leaves)(
                 loop,
-                draft_model,
-                target_model,
+                *models,
                 prompt,
                 state_list,
                 names[step],
@@ -171,7 +185,7 @@ def loop_output_distribution(
             )
             generated, num_accepted, done = _outcomes(
                 loop,
-                (draft_model, target_model),
+                models,
                 prompt,
                 state_list,
                 leaves,
@@ -269,7 +283,7 @@ def target_output_distribution(
 
 def loop_lossless_error(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel | LanguageModel,
+    drafter: AbstractDrafter | AbstractCachedModel | LanguageModel,
     target_model: AbstractCachedModel | LanguageModel,
     prompt: Sequence[int],
     *,
@@ -289,8 +303,8 @@ def loop_lossless_error(
     **Arguments:**
 
     - `loop`: the loop to check.
-    - `draft_model`, `target_model`: models, each a
-        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
+    - `drafter`, `target_model`: as for
+        [`speculax.testing.loop_output_distribution`][].
     - `prompt`: one prompt, a sequence of at least one token.
     - `temperature`, `top_k`, `top_p`: keyword only, the prompt's sampling
         parameters, given to both.
@@ -301,7 +315,7 @@ def loop_lossless_error(
     """
     parameters = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     generated = loop_output_distribution(
-        loop, draft_model, target_model, prompt, **parameters
+        loop, drafter, target_model, prompt, **parameters
     )
     target = target_output_distribution(
         target_model, prompt, loop.max_new_tokens, loop.end_token, **parameters
@@ -342,7 +356,8 @@ def _next_token_probs(
     buffer: jax.Array,
     length: jax.Array,
 ) -> tuple[jax.Array]:
-    logits = history_logits(model, buffer, (length - 1)[:, None])[:, 0]
+    cached = as_cached_model(model, "target_model")
+    logits = history_logits(cached, buffer, (length - 1)[:, None])[:, 0]
     return (row_probs(logits, per_row(parameters, buffer.shape[0])),)
 
 
@@ -423,7 +438,7 @@ def _assumption(loop: SpeculativeLoop, count_differs: bool) -> str:
 
 def _outcomes(
     loop: SpeculativeLoop,
-    models: tuple[Model, Model],
+    models: Models,
     prompt: tuple[int, ...],
     states: States,
     leaves: list[Leaf],
@@ -440,7 +455,7 @@ def _outcomes(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
         len(prompt) + loop.max_new_tokens + loop.num_nodes + 1,
     )
-    buffer, length, num_accepted, done, drafts, faults, differences = in_chunks(
+    outcome = in_chunks(
         lambda *rows: _advance(
             loop,
             *models,
@@ -455,9 +470,9 @@ def _outcomes(
         np.array([leaf.accept_uniforms for leaf in leaves]).reshape(batch, num_draft),
         np.array([leaf.sample_uniform for leaf in leaves]),
     )
+    buffer, length, num_accepted, done, drafts, reported, faults, differences = outcome
     check_caches(faults, differences)
-    if loop.draft_tree is not None:
-        _check_drafted_trees(leaves, drafts)
+    _check_drafts(loop, leaves, drafts, reported)
     generated = [
         tuple(row[len(prompt) : row_length].tolist())
         for row, row_length in zip(buffer, length, strict=True)
@@ -469,28 +484,70 @@ def _tiled_or_none(x: jax.Array | None, copies: int) -> jax.Array | None:
     return None if x is None else jnp.concatenate([x] * copies)
 
 
+# How far the rows a drafter reports may lie from those it promises: rounding of
+# float64 arithmetic done in another order, a few ulps. Rows moved by less move
+# the output's distribution by less than N G V 1e-14 in total variation, below
+# 1e-12 at the sizes the enumeration runs.
+_ROWS_TOLERANCE = 1e-14
+
+
 def _drafts(
     loop: SpeculativeLoop,
-    draft_model: AbstractCachedModel,
+    drafter: AbstractDrafter,
     state: LoopState,
     draft_uniforms: jax.Array,
-) -> jax.Array:
-    """The round's drafts as the loop's drafter makes them: for a tree, int32
-    `(B, N)`, each node's token, `-1` for a node left out; for a chain, none
-    (`(B, 0)`: its drafts are checked through what the step keeps of them)."""
-    if loop.draft_tree is None:
-        return jnp.zeros((state.length.shape[0], 0), jnp.int32)
-    drafted, _ = draft_tree(
-        draft_model, state, draft_uniforms, loop.draft_tree, loop.draft_sampling
+    parameters: RowParameters,
+) -> tuple[jax.Array, jax.Array]:
+    """The round's drafts as the loop's drafter makes them, int32 `(B, G)` (for a
+    tree `(B, N)`, each node's token, `-1` for a node left out), and whether in each
+    row the drafter reported the rows `drafter.drawn_after` gives after the
+    history and the drafts before each (no rows for deterministic drafts), to
+    within `_ROWS_TOLERANCE`: the rows the step verifies by are then those the
+    drafts were drawn from."""
+    batch = state.length.shape[0]
+    if loop.draft_tree is not None:
+        assert isinstance(drafter, ModelDrafter)
+        drafted, _ = draft_tree(
+            drafter.cached_model,
+            state,
+            draft_uniforms,
+            loop.draft_tree,
+            loop.draft_sampling,
+        )
+        tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)
+        return tokens, jnp.ones((batch,), jnp.bool_)
+    drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
+    positions = state.length[:, None] - 1 + jnp.arange(loop.num_nodes)
+    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions + 1].set(
+        drafts.tokens
     )
-    return jnp.where(drafted.parents >= 0, drafted.tokens, -1)
+    drawn = drafter.drawn_after(buffer, positions, parameters, loop.draft_sampling)
+    if isinstance(drawn, DraftRows) != (drafts.rows is not None):
+        return drafts.tokens, jnp.zeros((batch,), jnp.bool_)
+    if drafts.rows is None:
+        return drafts.tokens, jnp.ones((batch,), jnp.bool_)
+    # Not bit for bit: a softmax computed in the round's loop and the same
+    # softmax of a batch of rows round differently, by an ulp.
+    same = [
+        jnp.isclose(reported, expected, rtol=_ROWS_TOLERANCE, atol=_ROWS_TOLERANCE)
+        .reshape(batch, -1)
+        .all(axis=1)
+        for reported, expected in zip(drafts.rows, drawn, strict=True)
+    ]
+    return drafts.tokens, same[0] & same[1]
 
 
-def _check_drafted_trees(leaves: list[Leaf], drafts: np.ndarray) -> None:
-    """Raises unless the loop's drafter filled, in every leaf, the tree its cell
-    implies."""
-    for leaf, drafted in zip(leaves, drafts.tolist(), strict=True):
-        if tuple(drafted) != leaf.drafts:
+def _check_drafts(
+    loop: SpeculativeLoop, leaves: list[Leaf], drafts: np.ndarray, reported: np.ndarray
+) -> None:
+    """Raises unless the loop's drafter drew, in every leaf, the drafts its cell
+    implies, from the rows it reported."""
+    for leaf, drafted, as_drawn in zip(
+        leaves, drafts.tolist(), reported.tolist(), strict=True
+    ):
+        if tuple(drafted) == leaf.drafts and as_drawn:
+            continue
+        if loop.draft_tree is not None:
             raise ValueError(
                 "the exact enumeration assumes that the loop's drafter fills the "
                 "draft tree as loop.draft_tree.drafting says (node j's token by "
@@ -498,13 +555,22 @@ def _check_drafted_trees(leaves: list[Leaf], drafts: np.ndarray) -> None:
                 f"where that gives the tokens {list(leaf.drafts)}, it filled "
                 f"{drafted}"
             )
+        raise ValueError(
+            "the exact enumeration assumes that the drafter draws draft i by "
+            "inverse CDF, with DRAFT number i, from the row drawn_after gives after "
+            "the history and the drafts before it (deterministic drafts: the token "
+            "it gives), and reports those rows (none for deterministic drafts); at "
+            f"uniforms where that gives the drafts {list(leaf.drafts)}, it drew "
+            f"{drafted} and reported "
+            + ("the rows it promised" if as_drawn else "other rows")
+        )
 
 
 @eqx.filter_jit
 def _advance(
     loop: SpeculativeLoop,
-    draft_model: Model,
-    target_model: Model,
+    drafter: AbstractDrafter,
+    target_model: AbstractCachedModel,
     parameters: RowParameters,
     prompt_length: jax.Array,
     step: jax.Array,
@@ -515,14 +581,11 @@ def _advance(
     sample_uniforms: jax.Array,
 ) -> tuple[jax.Array, ...]:
     """`loop.advance` on rows at `length` after a prompt of `prompt_length` tokens, in
-    step `step`, under the prompt's sampling `parameters`, each model's cache filled
-    with the history in one call: the new buffer, lengths, drafts kept and finished
-    flags, the drafts (see `_drafts`), and the faults of each row's caches (see
-    `cache_faults`)."""
-    models = (
-        as_cached_model(draft_model, "draft_model"),
-        as_cached_model(target_model, "target_model"),
-    )
+    step `step`, under the prompt's sampling `parameters`, the drafter's state and
+    the target's cache filled with the history: the new buffer, lengths, drafts
+    kept and finished flags, the drafts and whether their rows are as reported (see
+    `_drafts`), and the faults of each row's caches (see `cache_faults`)."""
+    models = (drafter, target_model)
     batch = buffer.shape[0]
     parameters = per_row(parameters, batch)
 
@@ -538,7 +601,7 @@ def _advance(
             num_steps=jnp.zeros((copies * batch,), jnp.int32),
             num_accepted=jnp.full((copies * batch, loop.max_new_tokens), -1, jnp.int32),
             step=jnp.int32(step),
-            draft_cache=caches[0],
+            drafter_state=caches[0],
             target_cache=caches[1],
             temperature=_tiled_or_none(parameters.temperature, copies),
             top_k=_tiled_or_none(parameters.top_k, copies),
@@ -561,7 +624,9 @@ def _advance(
         )
         for k in range(len(variants))
     ]
-    drafts = _drafts(loop, models[0], before(caches), draft_uniforms)
+    drafts, reported = _drafts(
+        loop, drafter, before(caches), draft_uniforms, parameters
+    )
     faults, differences = cache_faults(
         loop, models, buffer, length, caches, after, drafts
     )
@@ -572,6 +637,7 @@ def _advance(
         after.num_accepted[:, step],
         after.done,
         drafts,
+        reported,
         faults,
         differences,
     )

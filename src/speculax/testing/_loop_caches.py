@@ -11,12 +11,13 @@ import numpy as np
 
 from .._loop._cache import (
     AbstractCachedModel,
-    empty_cache,
     path_buffers,
     read_chain,
     read_history,
 )
+from .._loop._drafter import AbstractDrafter
 from .._loop._loop import SpeculativeLoop
+from .._loop._model_drafter import ModelDrafter
 from .._loop._state import LoopState
 from .._loop._tree_round import TreeRead, draft_reads, read_tree, tree_read
 
@@ -39,24 +40,40 @@ _FAULTS = (
 )
 
 
-def filled_caches(
-    loop: SpeculativeLoop,
-    models: tuple[AbstractCachedModel, AbstractCachedModel],
-    buffer: jax.Array,
-) -> tuple[Any, Any]:
-    """The draft's and the target's caches with every token of `buffer` read in one
-    call, as `loop.start` fills them with a prompt."""
+Models = tuple[AbstractDrafter, AbstractCachedModel]
+"""The drafter and the target model."""
+
+
+def filled_caches(loop: SpeculativeLoop, models: Models, buffer: jax.Array) -> tuple:
+    """The drafter's state and the target's cache with every token of `buffer`
+    read, as `loop.start` makes them of a prompt."""
     slots = buffer.shape[1]
-    if loop.num_nodes:
-        draft_cache = read_history(models[0], buffer, slots, _MODELS[0])[1]
-    else:
-        draft_cache = empty_cache(models[0], buffer.shape[0], slots, _MODELS[0])
-    return draft_cache, read_history(models[1], buffer, slots, _MODELS[1])[1]
+    logits, target_cache = read_history(models[1], buffer, slots, _MODELS[1])
+    drafter_state = models[0].init(buffer, slots, loop.num_nodes, logits.shape[-1])
+    return drafter_state, target_cache
+
+
+def check_drafter_state(
+    loop: SpeculativeLoop, models: Models, prompt: jax.Array
+) -> None:
+    """Raises unless the enumeration can check the drafter's state: a draft model's
+    cache, or no state at all. It fills each state's afresh from the history, which
+    gives the loop's outcome only if the state is what the history makes it."""
+    if isinstance(models[0], ModelDrafter):
+        return
+    state = jax.eval_shape(lambda: filled_caches(loop, models, prompt)[0])
+    if jax.tree.leaves(state):
+        raise ValueError(
+            f"the drafter ({type(models[0]).__name__}) keeps a state, which the exact "
+            "enumeration cannot check: it checks a draft model's cache (a "
+            "speculax.ModelDrafter), and fills every other drafter's state afresh "
+            "from the history, which is exact only for a drafter without one"
+        )
 
 
 def scrambled_caches(
     loop: SpeculativeLoop,
-    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    models: Models,
     buffer: jax.Array,
     length: jax.Array,
     fresh: tuple[Any, Any],
@@ -68,7 +85,7 @@ def scrambled_caches(
     other = jnp.where(jnp.arange(buffer.shape[1]) < length[:, None], buffer, vocab - 1)
     scrambled = filled_caches(loop, models, other)
     variants = []
-    for model in _read_models(loop):
+    for model in _read_models(loop, models):
         valid = _cached_lengths(length)[model]
         mixed = list(fresh)
         mixed[model] = _slots_below(valid, fresh[model], scrambled[model])
@@ -78,7 +95,7 @@ def scrambled_caches(
 
 def cache_faults(
     loop: SpeculativeLoop,
-    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    models: Models,
     buffer: jax.Array,
     length: jax.Array,
     fresh: tuple[Any, Any],
@@ -91,7 +108,7 @@ def cache_faults(
 
     **Arguments:**
 
-    - `loop`, `models`: the loop and its two models, with caches.
+    - `loop`, `models`: the loop, its drafter and its target.
     - `buffer`, `length`: the histories before the step.
     - `fresh`: both caches filled with the histories.
     - `after`: the step from `fresh`, then from each of `scrambled_caches`.
@@ -99,13 +116,13 @@ def cache_faults(
         which the round's calls read.
     """
     refilled = filled_caches(loop, models, after[0].buffer)
-    left = (after[0].draft_cache, after[0].target_cache)
+    left = (after[0].drafter_state, after[0].target_cache)
     calls = _round_calls(loop, buffer, length, drafts)
     faults = [jnp.zeros((3, buffer.shape[0]), jnp.bool_)] * 2
     differences = [jnp.zeros(buffer.shape[:1])] * 2
-    for model, scrambled in zip(_read_models(loop), after[1:], strict=True):
+    for model, scrambled in zip(_read_models(loop, models), after[1:], strict=True):
         differences[model] = _difference_from_whole(
-            models[model], fresh[model], buffer, calls[model]
+            _cached_model(models, model), fresh[model], buffer, calls[model]
         )
         faults[model] = jnp.stack(
             [
@@ -124,10 +141,19 @@ def cache_faults(
     )
 
 
-def _read_models(loop: SpeculativeLoop) -> tuple[int, ...]:
-    """The models a round reads: the draft (0) unless it drafts nothing, and the
-    target (1)."""
-    return (0, 1) if loop.num_nodes else (1,)
+def _read_models(loop: SpeculativeLoop, models: Models) -> tuple[int, ...]:
+    """The models whose caches a round reads: the draft model (0) if the drafter
+    is one and drafts, and the target (1)."""
+    return (0, 1) if loop.num_nodes and isinstance(models[0], ModelDrafter) else (1,)
+
+
+def _cached_model(models: Models, model: int) -> AbstractCachedModel:
+    """The model whose cache `_read_models` names: the target, or the draft model
+    of a drafter that is one."""
+    if model == 1:
+        return models[1]
+    assert isinstance(models[0], ModelDrafter)
+    return models[0].cached_model
 
 
 def check_caches(faults: np.ndarray, differences: np.ndarray) -> None:

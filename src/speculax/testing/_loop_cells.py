@@ -12,9 +12,11 @@ import numpy as np
 
 from .._chain._step import SpeculativeStep
 from .._logits._step import LogitsStep
-from .._loop._cache import Model, as_cached_model, read_history
+from .._loop._cache import Model, as_cached_model
+from .._loop._drafter import AbstractDrafter, DraftRows
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
+from .._loop._model_drafter import history_logits
 from .._loop._sampling import RowParameters, row_probs
 from .._tree._abstract import AbstractTreeStep
 from ._cells import (
@@ -73,7 +75,7 @@ class _StepPieces(NamedTuple):
 
 def step_leaves(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     prompt: tuple[int, ...],
     states: States,
@@ -88,8 +90,9 @@ def step_leaves(
     **Arguments:**
 
     - `loop`: the loop, with its step.
-    - `draft_model`, `target_model`: models, each a
-        [`speculax.AbstractCachedModel`][] or a [`speculax.LanguageModel`][].
+    - `drafter`: the [`speculax.AbstractDrafter`][].
+    - `target_model`: a [`speculax.AbstractCachedModel`][] or a
+        [`speculax.LanguageModel`][].
     - `prompt`: the prompt.
     - `states`: the states the step starts from.
     - `names`: the names of the step's random numbers, per stream.
@@ -99,7 +102,7 @@ def step_leaves(
 
     The cells, as `Leaf`s.
     """
-    pieces = _step_pieces(loop, draft_model, target_model, prompt, states, parameters)
+    pieces = _step_pieces(loop, drafter, target_model, prompt, states, parameters)
     patterns = list(itertools.product([True, False], repeat=loop.num_nodes))
     leaves = []
     for row, (state, sequence) in enumerate(pieces.rows):
@@ -135,7 +138,7 @@ def step_leaves(
 
 def _step_pieces(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     prompt: tuple[int, ...],
     states: States,
@@ -160,7 +163,7 @@ def _step_pieces(
     draft_probs, thresholds, monotone, weights = in_chunks(
         lambda buffer, lengths, tokens, shift: _run_step_pieces(
             loop,
-            draft_model,
+            drafter,
             target_model,
             parameters,
             buffer,
@@ -197,8 +200,9 @@ def _draft_sequences(
     """Every sequence of $G$ tokens, int32 `(V^G, G)`, after checking that the cells
     of `num_states` states are not too many to enumerate."""
     num_draft = loop.num_nodes
+    model = as_cached_model(target_model, "target_model")
     vocab = jax.eval_shape(
-        lambda tokens: history_logits(target_model, tokens, tokens),
+        lambda tokens: history_logits(model, tokens, tokens),
         jax.ShapeDtypeStruct((1, 1), jnp.int32),
     ).shape[-1]
     sequences = np.array(
@@ -284,7 +288,7 @@ def _sample_uses(
 @eqx.filter_jit
 def _run_step_pieces(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     parameters: RowParameters,
     buffer: jax.Array,
@@ -293,20 +297,27 @@ def _run_step_pieces(
     probe_shift: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """For histories whose last $G$ tokens are the drafts, the rows the drafts are
-    drawn from (by `loop.draft_sampling`), and the step's pieces on the rows it
-    verifies by: the acceptance thresholds, whether they are consistent, and the
-    residual weights at every stopping position."""
+    drawn from (`drafter.drawn_after`; the one-hot rows of deterministic drafts),
+    and the step's pieces on the rows it verifies by: the acceptance thresholds,
+    whether they are consistent, and the residual weights at every stopping
+    position."""
     step = verified_pieces(loop.step)
     rows, num_draft = draft_tokens.shape
     parameters = per_row(parameters, rows)
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    draft_logits = history_logits(draft_model, buffer, positions[:, :-1])
-    drawn = drawn_rows(loop, draft_logits, parameters)
-    draft_probs = drawn
-    if isinstance(loop.step, LogitsStep):
-        draft_probs = row_probs(draft_logits, parameters)
-    target_logits = history_logits(target_model, buffer, positions)
+    target_logits = history_logits(
+        as_cached_model(target_model, "target_model"), buffer, positions
+    )
     target_probs = row_probs(target_logits, parameters)
+    drawn, draft_probs = _draft_rows(
+        loop,
+        drafter,
+        buffer,
+        positions[:, :-1],
+        draft_tokens,
+        parameters,
+        target_probs.shape[-1],
+    )
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
             step.acceptance, draft_tokens, draft_probs, target_probs, probe_shift
@@ -318,17 +329,28 @@ def _run_step_pieces(
     return drawn, thresholds, monotone, weights
 
 
-def drawn_rows(
-    loop: SpeculativeLoop, logits: jax.Array, parameters: RowParameters
-) -> jax.Array:
-    """`loop.draft_sampling`'s rows of the `(B, G, V)` draft logits, position by
-    position under each row's parameters."""
-    rows, num_draft, vocab = logits.shape
-    flat = RowParameters(
-        *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
+def _draft_rows(
+    loop: SpeculativeLoop,
+    drafter: AbstractDrafter,
+    buffer: jax.Array,
+    positions: jax.Array,
+    draft_tokens: jax.Array,
+    parameters: RowParameters,
+    vocab: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The rows the drafts are drawn from and the rows the step verifies them by:
+    for drafts drawn from rows, the drafter's rows, as they are for a
+    SpeculativeStep and as a LogitsStep makes them of their logits; for
+    deterministic drafts, the one-hot rows of the proposals and of the drafts."""
+    drawn = drafter.drawn_after(buffer, positions, parameters, loop.draft_sampling)
+    if isinstance(drawn, DraftRows):
+        if isinstance(loop.step, LogitsStep):
+            return drawn.probs, row_probs(drawn.logits, parameters)
+        return drawn.probs, drawn.probs
+    return (
+        jax.nn.one_hot(drawn, vocab, dtype=jnp.float64),
+        jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.float64),
     )
-    drawn = loop.draft_sampling(logits.reshape(rows * num_draft, vocab), *flat)
-    return drawn.reshape(rows, num_draft, vocab)
 
 
 def per_row(parameters: RowParameters, batch: int) -> RowParameters:
@@ -357,19 +379,6 @@ def piece_name(loop: SpeculativeLoop, piece: str) -> str:
     if isinstance(loop.step, SpeculativeStep):
         return f"loop.step.{piece}"
     return f"the {piece} of the rule loop.step (a LogitsStep) states"
-
-
-def history_logits(
-    model: Model,
-    buffer: jax.Array,
-    positions: jax.Array,
-) -> jax.Array:
-    """The model's logits after the tokens of `buffer` up to each of `positions`,
-    `(B, K, V)`, from one call that reads the whole buffer into an empty cache: the
-    history as it is, whatever a loop's cache holds."""
-    model = as_cached_model(model, "model")
-    logits, _ = read_history(model, buffer, buffer.shape[1], "model")
-    return jnp.take_along_axis(logits, positions[..., None], axis=1)
 
 
 def _prefix_counts(step: SpeculativeStep, num_draft: int) -> jax.Array:

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._loop._cache import Model
+from .._loop._cache import Model, as_cached_model
 from .._loop._draft_tree import DraftTree
+from .._loop._drafter import AbstractDrafter, DraftRows
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
+from .._loop._model_drafter import history_logits
 from .._loop._sampling import RowParameters, row_probs
 from .._tree._abstract import AbstractTreeStep
 from ._cells import (
@@ -27,7 +29,7 @@ from ._cells import (
     narrowed,
 )
 from ._chain import in_chunks
-from ._loop_cells import drawn_rows, history_logits, per_row
+from ._loop_cells import per_row
 from ._tree import (
     Ends,
     check_tree_step,
@@ -44,7 +46,7 @@ Rows = dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]
 
 def tree_step_leaves(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     prompt: tuple[int, ...],
     states: States,
@@ -58,7 +60,8 @@ def tree_step_leaves(
 
     **Arguments:**
 
-    As for `step_leaves`: the loop, with its `draft_tree` and tree step, the models,
+    As for `step_leaves`: the loop, with its `draft_tree` and tree step, the
+    drafter (a draft model's) and the target,
     the prompt, the states, the names of the round's numbers and the parameters.
 
     **Returns:**
@@ -69,7 +72,7 @@ def tree_step_leaves(
     tree, step = loop.draft_tree, loop.step
     assert tree is not None and isinstance(step, AbstractTreeStep)
     check_tree_step(step)
-    rows = _state_rows(loop, draft_model, target_model, prompt, states, parameters)
+    rows = _state_rows(loop, drafter, target_model, prompt, states, parameters)
     rule = compiled_rule(step)
     ends = Ends()
     for state, (((_, constraints), probability), state_rows) in enumerate(
@@ -198,7 +201,7 @@ def _drawn_leaves(
 
 def _state_rows(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     prompt: tuple[int, ...],
     states: States,
@@ -209,8 +212,9 @@ def _state_rows(
     parameters, in float64."""
     tree = loop.draft_tree
     assert tree is not None
+    model = as_cached_model(target_model, "target_model")
     vocab = jax.eval_shape(
-        lambda tokens: history_logits(target_model, tokens, tokens),
+        lambda tokens: history_logits(model, tokens, tokens),
         jax.ShapeDtypeStruct((1, 1), jnp.int32),
     ).shape[-1]
     suffixes = [
@@ -227,7 +231,7 @@ def _state_rows(
     width = len(prompt) + loop.max_new_tokens + tree.depth
     buffer, lengths = history_buffer(histories, width)
     draft, target = in_chunks(
-        lambda *rows: _rows_after(loop, draft_model, target_model, parameters, *rows),
+        lambda *rows: _rows_after(loop, drafter, target_model, parameters, *rows),
         buffer,
         lengths,
     )
@@ -244,7 +248,7 @@ def _state_rows(
 @eqx.filter_jit
 def _rows_after(
     loop: SpeculativeLoop,
-    draft_model: Model,
+    drafter: AbstractDrafter,
     target_model: Model,
     parameters: RowParameters,
     buffer: jax.Array,
@@ -254,6 +258,10 @@ def _rows_after(
     the target's by the parameters' rule."""
     parameters = per_row(parameters, buffer.shape[0])
     last = (length - 1)[:, None]
-    draft = drawn_rows(loop, history_logits(draft_model, buffer, last), parameters)
-    target = row_probs(history_logits(target_model, buffer, last), parameters)
-    return draft[:, 0], target[:, 0]
+    draft = drafter.drawn_after(buffer, last, parameters, loop.draft_sampling)
+    assert isinstance(draft, DraftRows)
+    target_logits = history_logits(
+        as_cached_model(target_model, "target_model"), buffer, last
+    )
+    target = row_probs(target_logits, parameters)
+    return draft.probs[:, 0], target[:, 0]

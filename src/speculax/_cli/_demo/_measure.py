@@ -17,7 +17,6 @@ from ..._tree._recursive import TreeStep
 from ..._tree._siblings import SiblingsWithoutReplacement
 from ..._tree._traversal import TraversalStep
 from ._corpus import decode, encode
-from ._models import VOCAB
 from ._shipped import load_demo_models
 
 
@@ -112,11 +111,11 @@ def demo_loop(
 
 
 def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, Any]:
-    """The models a verification's loop is called with: the demo's draft and
-    target, or for `"prompt lookup"` n-gram lookup in the row's history
-    ([`speculax.PromptLookup`][], no draft model) and the target."""
+    """The drafter and the target a verification's loop is called with: the demo's
+    draft model, or for `"prompt lookup"` n-gram lookup in the row's history
+    ([`speculax.PromptLookup`][], no draft model); and the demo's target."""
     if verification == "prompt lookup":
-        return PromptLookup(VOCAB, max_ngram=4), models[1]
+        return PromptLookup(max_ngram=4), models[1]
     return models
 
 

@@ -1,0 +1,137 @@
+"""The drafter interface: what proposes each round's chain of drafts, and what the
+loop and its exact enumeration ask of it."""
+
+import abc
+from typing import NamedTuple
+
+import equinox as eqx
+from jaxtyping import Array, Float, Int, PyTree
+
+from ._sampling import AbstractDraftSampling, RowParameters
+from ._state import LoopState
+
+
+class DraftRows(NamedTuple):
+    """The rows of a round's drafts: `logits`, float `(B, G, V)`, and `probs`, the
+    float `(B, G, V)` rows $q_i$ the drafts were drawn from, in the draft
+    sampling's dtype. A [`speculax.SpeculativeStep`][] verifies by `probs`, a
+    [`speculax.LogitsStep`][] by `logits` (of which the loop's default draft
+    sampling makes `probs`)."""
+
+    logits: Float[Array, "batch draft vocab"]
+    probs: Float[Array, "batch draft vocab"]
+
+
+class Drafts(NamedTuple):
+    """A round's chain of drafts, as a [`speculax.AbstractDrafter`][] returns them.
+
+    - `tokens`: int32 `(B, G)`, the drafts.
+    - `rows`: the [`speculax.DraftRows`][] they were drawn from, or `None` for
+        deterministic drafts, which the step verifies as such (`draft_probs=None`:
+        a draft passes with the target's probability of it).
+    - `state`: the drafter's state after the round, with the structure, shapes and
+        dtypes of the state it was given.
+    """
+
+    tokens: Int[Array, "batch draft"]
+    rows: DraftRows | None
+    state: PyTree
+
+
+class AbstractDrafter(eqx.Module):
+    """What proposes each round's drafts in a [`speculax.SpeculativeLoop`][]: a
+    draft model ([`speculax.ModelDrafter`][], what the loop makes of a model it is
+    given), or a drafter without one ([`speculax.PromptLookup`][]).
+
+    The loop is lossless with any drafter that keeps one promise: draft $i$ is drawn
+    from `rows.probs[:, i]` by inverse CDF with the row's `DRAFT` uniform $i$
+    (or, for `rows=None`, is a function of the history alone), where those rows
+    are a function of the history and the drafts before $i$, the ones
+    `drawn_after` gives. [`speculax.testing.loop_output_distribution`][] checks
+    the promise in every cell it enumerates: the drafts and rows of the loop's
+    round must equal those `drawn_after` gives, bit for bit.
+
+    Subclass it and implement `init`, `draft` and `drawn_after`.
+    """
+
+    @abc.abstractmethod
+    def init(
+        self,
+        prompt: Int[Array, "batch prompt"],
+        slots: int,
+        num_draft: int,
+        vocab_size: int,
+    ) -> PyTree:
+        """The drafter's state before the first round: a draft model's cache
+        filled with the prompts, say.
+
+        **Arguments:**
+
+        - `prompt`: int32 `(B, P)`, the prompts, padded past each row's length.
+        - `slots`: $T$, the width of the loop's token buffer (the prompt, the new
+            tokens and a round's drafts).
+        - `num_draft`: $G$, the drafts per round: for $G = 0$ the loop never
+            asks for any, and the state need not be filled.
+        - `vocab_size`: $V$, the target model's vocabulary, which a drafter's
+            rows must score (raise a `ValueError` otherwise).
+
+        **Returns:**
+
+        A PyTree of arrays (or `None`), which the loop carries as
+        `LoopState.drafter_state` and gives back to `draft`.
+        """
+
+    @abc.abstractmethod
+    def draft(
+        self,
+        state: LoopState,
+        uniforms: Float[Array, "batch draft"],
+        num_draft: int,
+        draft_sampling: AbstractDraftSampling,
+    ) -> Drafts:
+        """Proposes each row's $G$ drafts after its history.
+
+        **Arguments:**
+
+        - `state`: the [`speculax.LoopState`][] before the round: each row's
+            history (the first `length` tokens of `buffer`), its sampling
+            parameters and `drafter_state`.
+        - `uniforms`: float `(B, G)`, the row's `DRAFT` uniforms, draft $i$'s
+            at $i$.
+        - `num_draft`: $G$, a static integer.
+        - `draft_sampling`: the loop's [`speculax.AbstractDraftSampling`][], how
+            rows are made of a draft model's logits; a drafter without logits
+            ignores it.
+
+        **Returns:**
+
+        The [`speculax.Drafts`][]: tokens `(B, G)`, their rows or `None`, and the
+        new state.
+        """
+
+    @abc.abstractmethod
+    def drawn_after(
+        self,
+        tokens: Int[Array, "batch time"],
+        positions: Int[Array, "batch positions"],
+        parameters: RowParameters,
+        draft_sampling: AbstractDraftSampling,
+    ) -> DraftRows | Int[Array, "batch positions"]:
+        """What a draft after each history is drawn from, found by reading the
+        history whole, without a state: the definition `draft` follows, which the
+        exact enumeration reads.
+
+        **Arguments:**
+
+        - `tokens`: int32 `(B, T)`, histories, anything past each position.
+        - `positions`: int32 `(B, K)`: entry $[b, k]$ asks for the draft after
+            `tokens[b, :positions[b, k] + 1]`.
+        - `parameters`: each row's sampling parameters, `(B,)` each or `None`.
+        - `draft_sampling`: as for `draft`.
+
+        **Returns:**
+
+        For drafts drawn from rows, their [`speculax.DraftRows`][], `(B, K, V)`
+        each; for deterministic drafts (`draft` returns `rows=None`), the int32
+        `(B, K)` tokens proposed.
+        """
