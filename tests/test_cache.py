@@ -192,11 +192,11 @@ def test_cached_loop_is_lossless_exactly(num_draft, end_token, step):
 @pytest.mark.parametrize(
     ("fault", "faulty", "match"),
     [
-        ("reads rejected drafts", "target", "target_model reads its cache at or past"),
+        ("reads rejected drafts", "target", "target_model's cache is read at or past"),
         pytest.param(
             "reads rejected drafts",
             "draft",
-            "draft_model reads its cache at or past",
+            "draft_model's cache is read at or past",
             marks=pytest.mark.slow,
         ),
         pytest.param(
@@ -526,7 +526,7 @@ def test_exact_test_refuses_a_faulty_cache_in_a_tree_loop(faulty):
     models[faulty] = cached(models[faulty], "reads rejected drafts")
     loop = cached_tree_loop("independent", SMALL, max_new_tokens=3)
     # The calls that read the tree see the slots past the history first.
-    match = f"{faulty}_model (reads its cache at or past|gives other logits)"
+    match = f"{faulty}_model('s cache is read at or past| gives other logits)"
     with pytest.raises(ValueError, match=match):
         speculax.testing.loop_output_distribution(
             loop, models["draft"], models["target"], [1, 0]

@@ -121,11 +121,11 @@ def exact_error(
     drafter: speculax.AbstractDrafter,
     step: speculax.SpeculativeStep | speculax.LogitsStep | None = None,
     parameters: dict | None = None,
+    target: speculax.AbstractCachedModel | speculax.LanguageModel | None = None,
 ) -> float:
-    """The loop's exact total variation with a drafter, on a Markov target of four
-    tokens over four tokens after a prompt that repeats itself: one setting for the
-    tests and their negative controls."""
-    _, target = markov_pair(4, 1, seed=5)
+    """The loop's exact total variation with a drafter, by default on a Markov
+    target of four tokens, over four tokens after a prompt that repeats itself: one
+    setting for the tests and their negative controls."""
     loop = speculax.SpeculativeLoop(
         num_draft=2,
         max_new_tokens=4,
@@ -133,7 +133,11 @@ def exact_error(
         step=step or speculax.SpeculativeStep(),
     )
     return speculax.testing.loop_lossless_error(
-        loop, drafter, target, [1, 0, 2, 1], **(parameters or {})
+        loop,
+        drafter,
+        target or markov_pair(4, 1, seed=5)[1],
+        [1, 0, 2, 1],
+        **(parameters or {}),
     )
 
 
@@ -182,9 +186,11 @@ class BigramDrafter(speculax.AbstractDrafter):
             None,
         )
 
-    def drawn_after(self, tokens, positions, parameters, draft_sampling):
-        last = jnp.take_along_axis(tokens, positions, axis=1)
-        logits = jnp.asarray(self.table)[last]
+    def drawn_after(
+        self, tokens, length, target_cache, num_draft, parameters, draft_sampling
+    ):
+        positions = (length - 1)[:, None] + jnp.arange(num_draft)
+        logits = jnp.asarray(self.table)[jnp.take_along_axis(tokens, positions, 1)]
         return speculax.DraftRows(logits, jax.nn.softmax(logits))
 
 
@@ -208,8 +214,12 @@ class SampledLookup(speculax.AbstractDrafter):
         drawn = jnp.floor((uniforms - 0.5) * 8).astype(jnp.int32)
         return drafts._replace(tokens=jnp.where(uniforms < 0.5, drafts.tokens, drawn))
 
-    def drawn_after(self, tokens, positions, parameters, draft_sampling):
-        return speculax.PromptLookup(max_ngram=2).proposals(tokens, positions)
+    def drawn_after(
+        self, tokens, length, target_cache, num_draft, parameters, draft_sampling
+    ):
+        return speculax.PromptLookup(max_ngram=2).drawn_after(
+            tokens, length, target_cache, num_draft, parameters, draft_sampling
+        )
 
 
 @pytest.mark.parametrize(
@@ -229,6 +239,101 @@ class SampledLookup(speculax.AbstractDrafter):
 def test_the_exact_test_refuses_a_drafter_that_breaks_its_promise(drafter, match):
     with pytest.raises(ValueError, match=match):
         exact_error(drafter)
+
+
+@final
+class FeatureBigram(speculax.AbstractCachedModel):
+    """A bigram target that keeps a feature of every token it reads in its cache,
+    as a transformer keeps its hidden states there: the feature at a position is
+    `embedding[token]`, a known function of the history."""
+
+    logits: Float[np.ndarray, "vocab vocab"]
+    embedding: Float[np.ndarray, "vocab feature"]
+
+    def init_cache(self, batch, max_length):
+        embedding = jnp.asarray(self.embedding)
+        return {"features": jnp.zeros((batch, max_length, embedding.shape[1]))}
+
+    def __call__(self, tokens, positions, mask, cache, cache_length):
+        slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        new = jnp.asarray(self.embedding)[tokens]
+        features = cache["features"].at[rows, slots].set(new)
+        return jnp.asarray(self.logits)[tokens], {"features": features}
+
+
+@final
+class FeatureDrafter(speculax.AbstractDrafter):
+    """An EAGLE-like drafter: each draft's logits are `table[token before it]`
+    plus a mix of the target's feature `back` slots before the history's end, read
+    from the target's cache. With `back=2` the last feature the history has; with
+    `back=1` the slot of the history's last token, which holds the entry of a
+    rejected draft of the round before (or of an older round)."""
+
+    table: Float[np.ndarray, "vocab vocab"]
+    mixing: Float[np.ndarray, "feature vocab"]
+    back: int = 2
+
+    def init(self, prompt, slots, num_draft, vocab_size):
+        return None
+
+    def _bias(self, target_cache, length):
+        slot = length - self.back
+        rows = jnp.arange(length.shape[0])
+        feature = target_cache["features"][rows, jnp.maximum(slot, 0)]
+        feature = jnp.where((slot >= 0)[:, None], feature, 0)
+        return feature @ jnp.asarray(self.mixing)
+
+    def draft(self, state, uniforms, num_draft, draft_sampling):
+        bias = self._bias(state.target_cache, state.length)
+        last = state.buffer[jnp.arange(state.length.shape[0]), state.length - 1]
+        tokens, logits = [], []
+        for i in range(num_draft):
+            logits.append(jnp.asarray(self.table)[last] + bias)
+            last = speculax.InverseCDF()(jax.nn.softmax(logits[-1]), uniforms[:, i])
+            tokens.append(last)
+        logits = jnp.stack(logits, axis=1)
+        return speculax.Drafts(
+            jnp.stack(tokens, axis=1),
+            speculax.DraftRows(logits, jax.nn.softmax(logits)),
+            None,
+        )
+
+    def drawn_after(
+        self, tokens, length, target_cache, num_draft, parameters, draft_sampling
+    ):
+        positions = (length - 1)[:, None] + jnp.arange(num_draft)
+        before = jnp.take_along_axis(tokens, positions, 1)
+        bias = self._bias(target_cache, length)
+        logits = jnp.asarray(self.table)[before] + bias[:, None]
+        return speculax.DraftRows(logits, jax.nn.softmax(logits))
+
+
+def feature_models(vocab: int, back: int) -> tuple[FeatureDrafter, FeatureBigram]:
+    draft, target = markov_pair(vocab, 1, seed=9)
+    rng = np.random.default_rng(9)
+    embedding = rng.normal(size=(vocab, 3))
+    return (
+        FeatureDrafter(draft.logits, rng.normal(size=(3, vocab)), back),
+        FeatureBigram(target.logits, embedding),
+    )
+
+
+def test_a_drafter_reading_the_targets_features_is_lossless_exactly():
+    drafter, target = feature_models(4, back=2)
+    assert exact_error(drafter, target=target) < 1e-12
+
+
+def test_a_drafter_given_the_features_of_a_rejected_position_samples_the_target():
+    """Lossless whatever the drafter reads, since the step is given the rows it drew
+    from: only its acceptance moves. The exact test cannot fill the stale entries
+    it reads, and refuses it."""
+    drafter, target = feature_models(3, back=1)
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=STAT_TOKENS)
+    observed, expected = sequence_counts(loop, drafter, target)
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    with pytest.raises(ValueError, match="at or past cache_length"):
+        exact_error(feature_models(4, back=1)[0], target=feature_models(4, 1)[1])
 
 
 def test_jitted_loop_with_prompt_lookup_samples_the_target():

@@ -5,7 +5,7 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, PyTree
 
 from .._core._checks import check_static_int
 from .._core._numerics import integer_by_value
@@ -102,11 +102,13 @@ class PromptLookup(AbstractDrafter):
     def drawn_after(
         self,
         tokens: Int[Array, "batch time"],
-        positions: Int[Array, "batch positions"],
+        length: Int[Array, " batch"],
+        target_cache: PyTree,
+        num_draft: int,
         parameters: RowParameters,
         draft_sampling: AbstractDraftSampling,
-    ) -> Int[Array, "batch positions"]:
-        return self.proposals(tokens, positions)
+    ) -> Int[Array, "batch draft"]:
+        return self.proposals(tokens, (length - 1)[:, None] + jnp.arange(num_draft))
 
     def proposals(
         self, tokens: Int[Array, "batch time"], positions: Int[Array, "batch positions"]

@@ -95,7 +95,9 @@ class AbstractDrafter(eqx.Module):
 
         - `state`: the [`speculax.LoopState`][] before the round: each row's
             history (the first `length` tokens of `buffer`), its sampling
-            parameters and `drafter_state`.
+            parameters, `drafter_state`, and `target_cache`, whose slots below
+            `length - 1` hold the target's entries (its features, for a target
+            that keeps them there) of the history but its last token.
         - `uniforms`: float `(B, G)`, the row's `DRAFT` uniforms, draft $i$'s
             at $i$.
         - `num_draft`: $G$, a static integer.
@@ -113,25 +115,34 @@ class AbstractDrafter(eqx.Module):
     def drawn_after(
         self,
         tokens: Int[Array, "batch time"],
-        positions: Int[Array, "batch positions"],
+        length: Int[Array, " batch"],
+        target_cache: PyTree,
+        num_draft: int,
         parameters: RowParameters,
         draft_sampling: AbstractDraftSampling,
-    ) -> DraftRows | Int[Array, "batch positions"]:
-        """What a draft after each history is drawn from, found by reading the
-        history whole, without a state: the definition `draft` follows, which the
-        exact enumeration reads.
+    ) -> DraftRows | Int[Array, "batch draft"]:
+        """What each draft after a history is drawn from, found by reading the
+        history whole, without the drafter's state: the definition `draft`
+        follows, which the exact enumeration reads.
 
         **Arguments:**
 
-        - `tokens`: int32 `(B, T)`, histories, anything past each position.
-        - `positions`: int32 `(B, K)`: entry $[b, k]$ asks for the draft after
-            `tokens[b, :positions[b, k] + 1]`.
+        - `tokens`: int32 `(B, T)`, each row's history, its first `length`
+            tokens, followed by $G$ drafts (and anything past them).
+        - `length`: int32 `(B,)`, the histories' lengths.
+        - `target_cache`: the target model's cache after reading `tokens` in one
+            call. The drafter may read its slots below `length - 1`, the entries
+            (features, say) of the history but its last token, which the loop's
+            `state.target_cache` holds as they are when it drafts; the other
+            slots hold entries the loop's does not.
+        - `num_draft`: $G$, a static integer.
         - `parameters`: each row's sampling parameters, `(B,)` each or `None`.
         - `draft_sampling`: as for `draft`.
 
         **Returns:**
 
-        For drafts drawn from rows, their [`speculax.DraftRows`][], `(B, K, V)`
-        each; for deterministic drafts (`draft` returns `rows=None`), the int32
-        `(B, K)` tokens proposed.
+        For drafts drawn from rows, the [`speculax.DraftRows`][] of each, `(B, G,
+        V)`, row $i$ the one draft $i$ is drawn from after the history and the
+        drafts before it; for deterministic drafts (`draft` returns
+        `rows=None`), the int32 `(B, G)` drafts proposed.
         """

@@ -129,17 +129,20 @@ class ModelDrafter(AbstractDrafter):
     def drawn_after(
         self,
         tokens: Int[Array, "batch time"],
-        positions: Int[Array, "batch positions"],
+        length: Int[Array, " batch"],
+        target_cache: PyTree,
+        num_draft: int,
         parameters: RowParameters,
         draft_sampling: AbstractDraftSampling,
     ) -> DraftRows:
+        positions = (length - 1)[:, None] + jnp.arange(num_draft)
         logits = history_logits(self.cached_model, tokens, positions)
-        rows, width, vocab = logits.shape
+        rows, _, vocab = logits.shape
         flat = RowParameters(
-            *(None if x is None else jnp.repeat(x, width) for x in parameters)
+            *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
         )
-        probs = draft_sampling(logits.reshape(rows * width, vocab), *flat)
-        return DraftRows(logits, probs.reshape(rows, width, vocab))
+        probs = draft_sampling(logits.reshape(rows * num_draft, vocab), *flat)
+        return DraftRows(logits, probs.reshape(rows, num_draft, vocab))
 
 
 def history_logits(

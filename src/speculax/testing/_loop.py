@@ -517,11 +517,18 @@ def _drafts(
         tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)
         return tokens, jnp.ones((batch,), jnp.bool_)
     drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
-    positions = state.length[:, None] - 1 + jnp.arange(loop.num_nodes)
-    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions + 1].set(
-        drafts.tokens
+    positions = state.length[:, None] + jnp.arange(loop.num_nodes)
+    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(drafts.tokens)
+    # The target's cache of the history: its slots below `length - 1` are all a
+    # drafter may read, and those are the ones reading `buffer` whole writes.
+    drawn = drafter.drawn_after(
+        buffer,
+        state.length,
+        state.target_cache,
+        loop.num_nodes,
+        parameters,
+        loop.draft_sampling,
     )
-    drawn = drafter.drawn_after(buffer, positions, parameters, loop.draft_sampling)
     if isinstance(drawn, DraftRows) != (drafts.rows is not None):
         return drafts.tokens, jnp.zeros((batch,), jnp.bool_)
     if drafts.rows is None:

@@ -30,9 +30,10 @@ _FAULTS = (
     "k?), or, for a difference of rounding, the model does not compute a token's "
     "logits to the same bits read in pieces as read whole (float attention summed "
     "in another order), which the exact test needs to tell the rows apart",
-    "{} reads its cache at or past cache_length: the step changed when those slots "
-    "held other entries. The loop leaves rejected drafts there, so the next step "
-    "would read a wrong history",
+    "{}'s cache is read at or past cache_length, by the model or by a drafter "
+    "reading its entries: the step changed when those slots held other entries. "
+    "The loop leaves rejected drafts there, so the next step would read a wrong "
+    "history",
     "{}'s cache after a step differs, in the slots the next step reads as history, "
     "from its cache after reading the new history in one call: it keeps an entry the "
     "history does not hold (a rejected draft, or a new token not written at "
@@ -49,8 +50,14 @@ def filled_caches(loop: SpeculativeLoop, models: Models, buffer: jax.Array) -> t
     read, as `loop.start` makes them of a prompt."""
     slots = buffer.shape[1]
     logits, target_cache = read_history(models[1], buffer, slots, _MODELS[1])
-    drafter_state = models[0].init(buffer, slots, loop.num_nodes, logits.shape[-1])
-    return drafter_state, target_cache
+    return _filled_state(loop, models, buffer, logits.shape[-1]), target_cache
+
+
+def _filled_state(
+    loop: SpeculativeLoop, models: Models, buffer: jax.Array, vocab: int
+) -> Any:
+    """The drafter's state with every token of `buffer` read."""
+    return models[0].init(buffer, buffer.shape[1], loop.num_nodes, vocab)
 
 
 def check_drafter_state(
@@ -80,15 +87,22 @@ def scrambled_caches(
 ) -> list[tuple[Any, Any]]:
     """For each model the round reads, the caches `fresh` (filled with the
     histories) with that model's slots at and past what it reads as history holding
-    other entries: a step from them must keep the same tokens."""
+    the entries of other tokens: a step from them must keep the same tokens. The
+    target's slot of the history's last token is among them: the loop's holds a
+    rejected draft's entry there, which neither the target nor a drafter reading
+    the target's entries may read."""
     vocab = read_history(models[1], buffer[:, :1], 1, _MODELS[1])[0].shape[-1]
-    other = jnp.where(jnp.arange(buffer.shape[1]) < length[:, None], buffer, vocab - 1)
-    scrambled = filled_caches(loop, models, other)
     variants = []
     for model in _read_models(loop, models):
         valid = _cached_lengths(length)[model]
+        kept = jnp.arange(buffer.shape[1]) < valid[:, None]
+        other = jnp.where(kept, buffer, (buffer + 1) % vocab)
+        if model:
+            refilled = read_history(models[1], other, buffer.shape[1], _MODELS[1])[1]
+        else:
+            refilled = _filled_state(loop, models, other, vocab)
         mixed = list(fresh)
-        mixed[model] = _slots_below(valid, fresh[model], scrambled[model])
+        mixed[model] = _slots_below(valid, fresh[model], refilled)
         variants.append((mixed[0], mixed[1]))
     return variants
 

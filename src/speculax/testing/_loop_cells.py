@@ -12,7 +12,7 @@ import numpy as np
 
 from .._chain._step import SpeculativeStep
 from .._logits._step import LogitsStep
-from .._loop._cache import Model, as_cached_model
+from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._drafter import AbstractDrafter, DraftRows
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
@@ -305,18 +305,24 @@ def _run_step_pieces(
     rows, num_draft = draft_tokens.shape
     parameters = per_row(parameters, rows)
     positions = (length - num_draft - 1)[:, None] + jnp.arange(num_draft + 1)
-    target_logits = history_logits(
-        as_cached_model(target_model, "target_model"), buffer, positions
-    )
-    target_probs = row_probs(target_logits, parameters)
-    drawn, draft_probs = _draft_rows(
-        loop,
-        drafter,
+    target_logits, target_cache = read_history(
+        as_cached_model(target_model, "target_model"),
         buffer,
-        positions[:, :-1],
-        draft_tokens,
+        buffer.shape[1],
+        "target_model",
+    )
+    target_logits = jnp.take_along_axis(target_logits, positions[..., None], axis=1)
+    target_probs = row_probs(target_logits, parameters)
+    drawn = drafter.drawn_after(
+        buffer,
+        length - num_draft,
+        target_cache,
+        num_draft,
         parameters,
-        target_probs.shape[-1],
+        loop.draft_sampling,
+    )
+    drawn, draft_probs = _draft_rows(
+        loop, drawn, draft_tokens, parameters, target_probs.shape[-1]
     )
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
@@ -331,18 +337,16 @@ def _run_step_pieces(
 
 def _draft_rows(
     loop: SpeculativeLoop,
-    drafter: AbstractDrafter,
-    buffer: jax.Array,
-    positions: jax.Array,
+    drawn: DraftRows | jax.Array,
     draft_tokens: jax.Array,
     parameters: RowParameters,
     vocab: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """The rows the drafts are drawn from and the rows the step verifies them by:
-    for drafts drawn from rows, the drafter's rows, as they are for a
-    SpeculativeStep and as a LogitsStep makes them of their logits; for
-    deterministic drafts, the one-hot rows of the proposals and of the drafts."""
-    drawn = drafter.drawn_after(buffer, positions, parameters, loop.draft_sampling)
+    """The rows the drafts are drawn from and the rows the step verifies them by,
+    from what `drafter.drawn_after` gives: for drafts drawn from rows, the
+    drafter's rows, as they are for a SpeculativeStep and as a LogitsStep makes
+    them of their logits; for deterministic drafts, the one-hot rows of the
+    proposals and of the drafts."""
     if isinstance(drawn, DraftRows):
         if isinstance(loop.step, LogitsStep):
             return drawn.probs, row_probs(drawn.logits, parameters)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._loop._cache import Model, as_cached_model
+from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._draft_tree import DraftTree
 from .._loop._drafter import AbstractDrafter, DraftRows
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
@@ -257,11 +257,18 @@ def _rows_after(
     """Both models' rows after each history: the draft's by `loop.draft_sampling`,
     the target's by the parameters' rule."""
     parameters = per_row(parameters, buffer.shape[0])
-    last = (length - 1)[:, None]
-    draft = drafter.drawn_after(buffer, last, parameters, loop.draft_sampling)
-    assert isinstance(draft, DraftRows)
-    target_logits = history_logits(
-        as_cached_model(target_model, "target_model"), buffer, last
+    target_logits, target_cache = read_history(
+        as_cached_model(target_model, "target_model"),
+        buffer,
+        buffer.shape[1],
+        "target_model",
     )
-    target = row_probs(target_logits, parameters)
-    return draft.probs[:, 0], target[:, 0]
+    # A tree is drafted by a draft model, which reads no target entries.
+    draft = drafter.drawn_after(
+        buffer, length, target_cache, 1, parameters, loop.draft_sampling
+    )
+    assert isinstance(draft, DraftRows)
+    target = row_probs(
+        target_logits[jnp.arange(length.shape[0]), length - 1], parameters
+    )
+    return draft.probs[:, 0], target
