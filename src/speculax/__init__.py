@@ -18,6 +18,9 @@ from ._core._failures import (
     failure_messages as failure_messages,
 )
 from ._core._row_strategy import row_strategy as row_strategy
+from ._drafters._eagle import EagleHead as EagleHead
+from ._drafters._features import TargetFeatures as TargetFeatures
+from ._drafters._medusa import MedusaHeads as MedusaHeads
 from ._drafters._prompt_lookup import PromptLookup as PromptLookup
 from ._inputs._input_array import InputArray as InputArray
 from ._inputs._random import KeyArray as KeyArray, uniforms as uniforms

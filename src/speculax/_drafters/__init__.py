@@ -1,1 +1,2 @@
-"""What the loop drafts from besides a draft model: drafters without weights."""
+"""Drafters beside a draft model: prompt lookup, which needs no weights, and the
+heads that read the target's features (Medusa, EAGLE-style)."""

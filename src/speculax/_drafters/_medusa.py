@@ -1,0 +1,134 @@
+"""Medusa's heads: one head per draft position, each reading the target's feature
+at the history's last verified position."""
+
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PyTree
+
+from .._loop._drafter import AbstractDrafter, DraftRows, Drafts
+from .._loop._sampling import AbstractDraftSampling, RowParameters
+from .._loop._state import LoopState
+from .._pieces._sampling import InverseCDF
+from ._features import TargetFeatures, check_matrix, rows_times, verified_feature
+
+
+@final
+class MedusaHeads(AbstractDrafter):
+    """Medusa's draft heads (Cai et al., 2024): head $k$ reads the target's feature
+    $h$ at the history's last verified position (the one whose logits drew the
+    history's last token) and gives the logits of draft $k$,
+    $\\left(h + \\mathrm{SiLU}(W_k h + b_k)\\right) U$, a residual block and an LM
+    head $U$ (the target's own, or one trained with the heads). Draft $k$ is drawn
+    by inverse CDF from what the loop's `draft_sampling` makes of its logits, under
+    the row's parameters: each draft's row depends on the history alone, not on
+    the drafts before it.
+
+    The heads keep no state: the feature is read from the target's cache each round
+    (`docs/loop.md`, "The target's features"). A round of $G$ drafts uses the first
+    $G$ heads.
+
+    **Arguments:**
+
+    - `weight`: float `(K, F, F)`, each head's $W_k$.
+    - `bias`: float `(K, F)`, each head's $b_k$.
+    - `lm_head`: float `(F, V)`, $U$.
+    - `features`: keyword only, where the target keeps its features: a function of
+        its cache that returns them, float `(B, T, F)` (for a cache that is a dict
+        with the features under `"features"`, `lambda cache: cache["features"]`).
+    """
+
+    weight: Float[Array | np.ndarray, "heads feature feature"]
+    bias: Float[Array | np.ndarray, "heads feature"]
+    lm_head: Float[Array | np.ndarray, "feature vocab"]
+    features: TargetFeatures = eqx.field(static=True, kw_only=True)
+
+    def __check_init__(self):
+        check_matrix("weight", self.weight, 3)
+        check_matrix("bias", self.bias, 2)
+        check_matrix("lm_head", self.lm_head, 2)
+        heads, width = jnp.shape(self.weight)[:2]
+        if jnp.shape(self.weight)[2] != width or jnp.shape(self.bias) != (
+            heads,
+            width,
+        ):
+            raise ValueError(
+                "weight must have shape (K, F, F) and bias (K, F); got weight of "
+                f"shape {jnp.shape(self.weight)} and bias of shape "
+                f"{jnp.shape(self.bias)}"
+            )
+        if jnp.shape(self.lm_head)[0] != width:
+            raise ValueError(
+                f"lm_head must have shape (F, V) = ({width}, V), reading the heads' "
+                f"features; got shape {jnp.shape(self.lm_head)}"
+            )
+
+    def init(
+        self,
+        prompt: Int[Array, "batch prompt"],
+        slots: int,
+        num_draft: int,
+        vocab_size: int,
+    ) -> None:
+        if num_draft > jnp.shape(self.weight)[0]:
+            raise ValueError(
+                f"num_draft must be at most the number of heads, "
+                f"{jnp.shape(self.weight)[0]}; got {num_draft}"
+            )
+        if jnp.shape(self.lm_head)[1] != vocab_size:
+            raise ValueError(
+                f"lm_head must score the target's vocabulary: it gives logits over "
+                f"V = {jnp.shape(self.lm_head)[1]} tokens, target_model over "
+                f"V = {vocab_size}"
+            )
+        return None
+
+    def draft(
+        self,
+        state: LoopState,
+        uniforms: Float[Array, "batch draft"],
+        num_draft: int,
+        draft_sampling: AbstractDraftSampling,
+    ) -> Drafts:
+        parameters = RowParameters(state.temperature, state.top_k, state.top_p)
+        rows = self._rows(
+            state.target_cache, state.length, num_draft, parameters, draft_sampling
+        )
+        tokens = jax.vmap(InverseCDF(), in_axes=1, out_axes=1)(rows.probs, uniforms)
+        return Drafts(tokens, rows, None)
+
+    def drawn_after(
+        self,
+        tokens: Int[Array, "batch time"],
+        length: Int[Array, " batch"],
+        target_cache: PyTree,
+        num_draft: int,
+        parameters: RowParameters,
+        draft_sampling: AbstractDraftSampling,
+    ) -> DraftRows:
+        return self._rows(target_cache, length, num_draft, parameters, draft_sampling)
+
+    def _rows(
+        self,
+        target_cache: PyTree,
+        length: Int[Array, " batch"],
+        num_draft: int,
+        parameters: RowParameters,
+        draft_sampling: AbstractDraftSampling,
+    ) -> DraftRows:
+        """Each head's logits and the rows `draft_sampling` makes of them."""
+        feature = verified_feature(self.features, target_cache, length)
+        weight = jnp.asarray(self.weight)[:num_draft]
+        bias = jnp.asarray(self.bias)[:num_draft]
+        mixed = jnp.sum(feature[:, None, None, :] * weight, axis=-1)
+        hidden = feature[:, None] + jax.nn.silu(mixed + bias)
+        logits = rows_times(hidden, jnp.asarray(self.lm_head))
+        batch, _, vocab = logits.shape
+        flat = RowParameters(
+            *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
+        )
+        probs = draft_sampling(logits.reshape(batch * num_draft, vocab), *flat)
+        return DraftRows(logits, probs.reshape(batch, num_draft, vocab))
