@@ -113,6 +113,8 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
             "--verify",
             "chain",
             "prompt lookup",
+            "Medusa",
+            "EAGLE",
             "traversal",
             "--batch-sizes",
             "8",
@@ -128,26 +130,30 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
     # tables on standard output.
     lines = err.splitlines()
     assert lines[0] == (
-        "speculax demo --loop: [1/4] target alone, 8 per call: compiling and timing ..."
+        "speculax demo --loop: [1/6] target alone, 8 per call: compiling and timing ..."
     )
-    assert lines[7].startswith("speculax demo --loop: [4/4] traversal, 8 per call: ")
-    assert "8 new tokens, cacheless" in lines[9]
-    assert len(lines) == 10 and "compiling" not in out
+    assert lines[11].startswith("speculax demo --loop: [6/6] traversal, 8 per call: ")
+    assert "8 new tokens, cacheless" in lines[13]
+    assert len(lines) == 14 and "compiling" not in out
+    names = ("target", "chain", "prompt", "Medusa", "EAGLE", "traversal")
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
-        if line.split()
-        and line.split()[0] in ("target", "chain", "prompt", "traversal")
+        if line.split() and line.split()[0] in names
     }
     assert rows["target"][1:][:4] == ["alone", "8", "0", "1.00"]
     assert rows["target"][-1] == "1.00x"
     # The trained draft agrees with the target often: more than one token a call.
-    assert set(rows) == {"target", "chain", "prompt", "traversal"}
+    assert set(rows) == set(names)
     for name in ("chain", "traversal"):
         assert 1.3 < float(rows[name][3]) <= 7, name
     # Prompt lookup drafts without a model: 4 drafts, some of them kept.
     assert rows["prompt"][1:4] == ["lookup", "8", "4"]
     assert 1 < float(rows["prompt"][4]) <= 5
+    # The heads on the target's features: 4 drafts, some of them kept.
+    for name in ("Medusa", "EAGLE"):
+        assert rows[name][1:3] == ["8", "4"], name
+        assert 1 < float(rows[name][3]) <= 5, name
     # One batch of 8 prompts: the target alone takes one call per token.
     assert rows["target"][5] == "12" and 2 <= int(rows["chain"][4]) < 12
     assert "def __init__(self, " in out

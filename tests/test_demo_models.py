@@ -1,6 +1,7 @@
 """The demo's byte-level draft and target transformers: the shipped weights,
 causality, the cache read as the whole history, the held-out loss, the training
-code, saving and loading, the byte tokens."""
+code, saving and loading, the byte tokens; the draft heads on the target's
+features."""
 
 import io
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import speculax
 from speculax._cli._demo import (
     CausalTransformer,
     corpus,
@@ -22,6 +24,8 @@ from speculax._cli._demo import (
     split_corpus,
     train,
 )
+from speculax._cli._demo._heads import heads_loss, initial_weights, load_demo_heads
+from speculax._cli._demo._models import FeatureKeeping
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +213,65 @@ def test_a_token_reads_the_window_up_to_its_own():
     )
     with pytest.raises(ValueError, match="heads a divisor of width"):
         CausalTransformer(width=8, depth=1, heads=3, window=4, key=jax.random.key(0))
+
+
+def test_the_target_keeping_its_features_gives_the_same_logits(models):
+    target = models[1]
+    keeping = FeatureKeeping(target)
+    tokens = jnp.asarray(encode("def read(self, ")[None, :], jnp.int32)
+    width = tokens.shape[1]
+    mask = jnp.tril(jnp.ones((1, width, width), bool))
+    positions = jnp.arange(width)[None]
+    start = jnp.zeros((1,), jnp.int32)
+    logits, (_, features) = keeping(
+        tokens, positions, mask, keeping.init_cache(1, width), start
+    )
+    plain, _ = target(tokens, positions, mask, target.init_cache(1, width), start)
+    np.testing.assert_array_equal(logits, plain)
+    np.testing.assert_allclose(features, target.features_all(tokens), atol=1e-5)
+
+
+def test_the_shipped_heads_beat_untrained_ones_on_held_out_text(models, text):
+    target = models[1]
+    rows = np.asarray(text[1][: 4 * 129], np.int32).reshape(4, 129)
+    rows = jnp.asarray(rows)
+    features = target.features_all(rows)
+    untrained = heads_loss(target, *initial_weights(target), rows, features)
+    medusa, eagle = load_demo_heads(target)
+    shipped = heads_loss(
+        target,
+        {"weight": medusa.weight, "bias": medusa.bias},
+        {"fuse": eagle.fuse, "weight": eagle.weight, "bias": eagle.bias},
+        rows,
+        features,
+    )
+    for after, before in zip(shipped, untrained, strict=True):
+        assert after < before - 0.1
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_shipped_heads_draft_their_definition_under_jit(models, batch):
+    """At the demo's shapes, compiled: XLA on CPU once summed these rows wrongly
+    for a batch of one (see `rows_times`)."""
+    target = models[1]
+    medusa, eagle = load_demo_heads(target)
+    prompt = jnp.tile(jnp.asarray(encode("    def read(self, "))[None], (batch, 1))
+    loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=2)
+    state = loop.start(
+        medusa, FeatureKeeping(target), prompt, jnp.full((batch,), prompt.shape[1])
+    )
+    uniforms = jnp.full((batch, 4), 0.5)
+    feature = np.asarray(state.target_cache[1][:, prompt.shape[1] - 2], np.float64)
+    weight, bias = np.asarray(medusa.weight), np.asarray(medusa.bias)
+    hidden = feature[:, None] + jax.nn.silu(
+        np.einsum("bf,kgf->bkg", feature, weight) + bias
+    )
+    expected = np.asarray(hidden) @ np.asarray(medusa.lm_head, np.float64)
+    drafts = eqx.filter_jit(medusa.draft)(state, uniforms, 4, speculax.SameAsTarget())
+    np.testing.assert_allclose(drafts.rows.logits, expected, atol=1e-3)
+    fused = np.concatenate([feature, np.asarray(target.embedding)[prompt[:, -1]]], -1)
+    fused = fused @ np.asarray(eagle.fuse, np.float64)
+    predicted = fused + jax.nn.silu(fused @ np.asarray(eagle.weight) + eagle.bias)
+    expected = np.asarray(predicted) @ np.asarray(eagle.lm_head, np.float64)
+    drafts = eqx.filter_jit(eagle.draft)(state, uniforms, 4, speculax.SameAsTarget())
+    np.testing.assert_allclose(drafts.rows.logits[:, 0], expected, atol=1e-3)

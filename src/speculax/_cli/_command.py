@@ -58,11 +58,19 @@ KINDS = {
 
 # `speculax demo --loop` without `--full` compiles five loops (the cache's table
 # reuses the chain's at one prompt per call), within a minute on two cores; the full
-# comparison adds block verification and the trees (the slowest to compile), longer
-# runs, and the cache's table at more lengths.
+# comparison adds the other drafters, block verification and the trees (the slowest
+# to compile), longer runs, and the cache's table at more lengths.
 QUICK_DEMO = {"verify": ["chain"], "max_new_tokens": 64, "cache_lengths": [64]}
 FULL_DEMO = {
-    "verify": ["chain", "prompt lookup", "block", "tree", "traversal"],
+    "verify": [
+        "chain",
+        "prompt lookup",
+        "Medusa",
+        "EAGLE",
+        "block",
+        "tree",
+        "traversal",
+    ],
     "max_new_tokens": 128,
     "cache_lengths": [64, 128, 256],
 }

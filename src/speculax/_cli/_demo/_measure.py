@@ -17,6 +17,8 @@ from ..._tree._recursive import TreeStep
 from ..._tree._siblings import SiblingsWithoutReplacement
 from ..._tree._traversal import TraversalStep
 from ._corpus import decode, encode
+from ._heads import load_demo_heads
+from ._models import FeatureKeeping
 from ._shipped import load_demo_models
 
 
@@ -63,6 +65,8 @@ VERIFICATIONS = (
     "target alone",
     "chain",
     "prompt lookup",
+    "Medusa",
+    "EAGLE",
     "block",
     "tree",
     "traversal",
@@ -74,8 +78,9 @@ def demo_loop(
 ) -> SpeculativeLoop:
     """The loop of one verification of the demo: the target alone ($G = 0$); a
     chain of $G$ drafts verified token by token (`"chain"`, and `"prompt lookup"`,
-    whose drafts come from `PromptLookup` instead of the draft model:
-    `drafting_models`) or by block verification (`"block"`); or the `TREE_PATHS`
+    `"Medusa"` and `"EAGLE"`, whose drafts come from another drafter than the
+    draft model: `drafting_models`) or by block verification (`"block"`); or the
+    `TREE_PATHS`
     template, its children drawn without replacement, verified by recursive
     rejection sampling (`"tree"`) or by traversal verification (`"traversal"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
@@ -101,8 +106,9 @@ def demo_loop(
             step=TraversalStep(siblings=siblings),
         ),
     }
-    # The chain's loop: only the drafting models differ (`drafting_models`).
-    loops["prompt lookup"] = loops["chain"]
+    # The chain's loop: only the drafters differ (`drafting_models`).
+    for drafter in ("prompt lookup", "Medusa", "EAGLE"):
+        loops[drafter] = loops["chain"]
     if verification not in loops:
         raise ValueError(
             f"verification must be one of {VERIFICATIONS}; got {verification!r}"
@@ -112,10 +118,16 @@ def demo_loop(
 
 def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, Any]:
     """The drafter and the target a verification's loop is called with: the demo's
-    draft model, or for `"prompt lookup"` n-gram lookup in the row's history
-    ([`speculax.PromptLookup`][], no draft model); and the demo's target."""
+    draft model and target; for `"prompt lookup"` n-gram lookup in the row's
+    history ([`speculax.PromptLookup`][], no draft model) and the target; for
+    `"Medusa"` and `"EAGLE"` the shipped heads (`load_demo_heads`) and the target
+    keeping its features in its cache (`FeatureKeeping`)."""
     if verification == "prompt lookup":
         return PromptLookup(max_ngram=4), models[1]
+    if verification in ("Medusa", "EAGLE"):
+        medusa, eagle = load_demo_heads(models[1])
+        head = medusa if verification == "Medusa" else eagle
+        return head, FeatureKeeping(models[1])
     return models
 
 

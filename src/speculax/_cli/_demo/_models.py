@@ -139,6 +139,32 @@ class CausalTransformer(AbstractCachedModel):
         Float[Array, "batch new vocab"],
         tuple[Float[Array, "batch slots 2 heads head"], ...],
     ]:
+        normed, cache = self.features(tokens, positions, mask, cache, cache_length)
+        return normed @ self.unembedding.T, cache
+
+    def features(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: tuple[Float[Array, "batch slots 2 heads head"], ...],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[
+        Float[Array, "batch new width"],
+        tuple[Float[Array, "batch slots 2 heads head"], ...],
+    ]:
+        """The call's last hidden states, normed, of which the logits are a linear
+        map (`unembedding`), and the cache: the features the demo's draft heads
+        read.
+
+        **Arguments:**
+
+        As for `__call__`.
+
+        **Returns:**
+
+        `(features, cache)`: float `(B, K, width)`, and the cache after the call.
+        """
         slots = cache_length[:, None] + jnp.arange(tokens.shape[1])
         x = self.embedding[tokens]
         visible = _visible(
@@ -148,8 +174,7 @@ class CausalTransformer(AbstractCachedModel):
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block(x, positions, layer_cache, slots, visible)
             written.append(layer_cache)
-        normed = jax.vmap(jax.vmap(self.norm))(x)
-        return normed @ self.unembedding.T, tuple(written)
+        return jax.vmap(jax.vmap(self.norm))(x), tuple(written)
 
     def read(
         self, tokens: Int[Array, "batch time"], positions: Int[Array, "batch k"]
@@ -184,18 +209,89 @@ class CausalTransformer(AbstractCachedModel):
 
         Float `(B, T, 256)`.
         """
+        return self.features_all(tokens) @ self.unembedding.T
+
+    def features_all(
+        self, tokens: Int[Array, "batch time"]
+    ) -> Float[Array, "batch time width"]:
+        """The features (see `features`) of every token of each row, read in one
+        call into an empty cache, each token seeing those before it.
+
+        **Arguments:**
+
+        - `tokens`: integer `(B, T)`, byte tokens in `[0, 256)`.
+
+        **Returns:**
+
+        Float `(B, T, width)`.
+        """
         batch, time = tokens.shape
         causal = jnp.broadcast_to(
             jnp.tril(jnp.ones((time, time), bool)), (batch, time, time)
         )
-        logits, _ = self(
+        features, _ = self.features(
             tokens,
             jnp.broadcast_to(jnp.arange(time), (batch, time)),
             causal,
             self.init_cache(batch, time),
             jnp.zeros((batch,), jnp.int32),
         )
-        return logits
+        return features
+
+
+@final
+class FeatureKeeping(AbstractCachedModel):
+    """A `CausalTransformer` that keeps its features (its last hidden states,
+    normed) in its cache beside its keys and values, one slot per token, where the
+    demo's draft heads read them: the same logits, and a cache `(kv, features)`.
+
+    **Arguments:**
+
+    - `model`: the `CausalTransformer`.
+    """
+
+    model: CausalTransformer
+
+    def init_cache(
+        self, batch: int, max_length: int
+    ) -> tuple[
+        tuple[Float[Array, "batch slots 2 heads head"], ...],
+        Float[Array, "batch slots width"],
+    ]:
+        width = self.model.embedding.shape[1]
+        features = jnp.zeros((batch, max_length, width), self.model.embedding.dtype)
+        return self.model.init_cache(batch, max_length), features
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch new"],
+        positions: Int[Array, "batch new"],
+        mask: Bool[Array, "batch new new"],
+        cache: tuple[
+            tuple[Float[Array, "batch slots 2 heads head"], ...],
+            Float[Array, "batch slots width"],
+        ],
+        cache_length: Int[Array, " batch"],
+    ) -> tuple[
+        Float[Array, "batch new vocab"],
+        tuple[
+            tuple[Float[Array, "batch slots 2 heads head"], ...],
+            Float[Array, "batch slots width"],
+        ],
+    ]:
+        kv, features = cache
+        normed, kv = self.model.features(tokens, positions, mask, kv, cache_length)
+        features = jax.vmap(
+            lambda row, new, first: jax.lax.dynamic_update_slice(row, new, (first, 0))
+        )(features, normed, cache_length)
+        return normed @ self.model.unembedding.T, (kv, features)
+
+
+def kept_features(
+    cache: tuple[tuple[Array, ...], Float[Array, "batch slots width"]],
+) -> Float[Array, "batch slots width"]:
+    """Where `FeatureKeeping` keeps the features in its cache."""
+    return cache[1]
 
 
 def _visible(

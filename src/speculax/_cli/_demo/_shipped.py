@@ -36,7 +36,7 @@ def _as_dtype(model: CausalTransformer, dtype) -> CausalTransformer:
     )
 
 
-def _file(path: str | Path | io.BufferedIOBase):
+def file_object(path: str | Path | io.BufferedIOBase):
     # Equinox's annotation is typing.BinaryIO, which no real file object subclasses,
     # so the runtime checks of this package cannot use it (nor this return type).
     return cast(str | Path | BinaryIO, path)
@@ -50,7 +50,7 @@ def save_model(model: CausalTransformer, path: str | Path | io.BufferedIOBase) -
     - `model`: the model.
     - `path`: the file, or a binary file object, to write.
     """
-    eqx.tree_serialise_leaves(_file(path), _as_dtype(model, STORAGE_DTYPE))
+    eqx.tree_serialise_leaves(file_object(path), _as_dtype(model, STORAGE_DTYPE))
 
 
 def load_model(
@@ -80,7 +80,9 @@ def load_model(
         ),
         skeleton,
     )
-    return _as_dtype(eqx.tree_deserialise_leaves(_file(path), skeleton), jnp.float32)
+    return _as_dtype(
+        eqx.tree_deserialise_leaves(file_object(path), skeleton), jnp.float32
+    )
 
 
 def _load_shipped(name: str, hyperparameters: dict[str, int]) -> CausalTransformer:

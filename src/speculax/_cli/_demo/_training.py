@@ -86,7 +86,7 @@ def _learning_rate(
 
 
 def train(
-    model: CausalTransformer,
+    model: PyTree,
     tokens: Integer[np.ndarray, " size"],
     *,
     steps: int,
@@ -96,19 +96,23 @@ def train(
     learning_rate: int | float = 1e-2,
     steps_per_call: int = 50,
     callback: Callable[[int, float], None] | None = None,
-) -> tuple[CausalTransformer, Float[np.ndarray, " steps"]]:
+    loss: Callable[[PyTree, Int[Array, "batch length"]], Float[Array, ""]] = (
+        sequence_loss
+    ),
+) -> tuple[PyTree, Float[np.ndarray, " steps"]]:
     """Trains a model with Adam on random rows of a text.
 
     Each step draws `batch_size` rows of `length + 1` consecutive tokens, at
     uniformly random offsets, and takes one Adam step ($\\beta_1 = 0.9$, $\\beta_2 =
-    0.99$, $\\epsilon = 10^{-8}$) on their `sequence_loss`. The learning rate
-    rises linearly over the first twentieth of the steps to `learning_rate`, then
-    decays along a cosine to a tenth of it. `steps_per_call` steps run in one
-    compiled loop.
+    0.99$, $\\epsilon = 10^{-8}$) on their `loss` (by default `sequence_loss`).
+    The learning rate rises linearly over the first twentieth of the steps to
+    `learning_rate`, then decays along a cosine to a tenth of it. `steps_per_call`
+    steps run in one compiled loop.
 
     **Arguments:**
 
-    - `model`: the initial model.
+    - `model`: the initial model, or any PyTree of the weights `loss` reads: its
+        float arrays are trained.
     - `tokens`: integer `(size,)`, the training text as byte tokens, `size > length`.
     - `steps`: keyword only, the number of steps, a multiple of `steps_per_call`
         (or fewer than it: then one loop of `steps`).
@@ -119,6 +123,7 @@ def train(
     - `steps_per_call`: keyword only, the steps per compiled loop.
     - `callback`: keyword only, called as `callback(steps_done, mean_loss)` after
         each loop.
+    - `loss`: keyword only, the loss of the model on rows of tokens.
 
     **Returns:**
 
@@ -149,9 +154,9 @@ def train(
         params, first, second, step = state
         starts = jax.random.randint(step_key, (batch_size, 1), 0, len(tokens) - length)
         rows = data[starts + offsets]
-        loss, grads = jax.value_and_grad(
-            lambda p: sequence_loss(eqx.combine(p, static), rows)
-        )(params)
+        value, grads = jax.value_and_grad(lambda p: loss(eqx.combine(p, static), rows))(
+            params
+        )
         count = step + 1
         first = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, first, grads)
         second = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, second, grads)
@@ -163,7 +168,7 @@ def train(
             return p - rate * (m / correction1) / (jnp.sqrt(v / correction2) + 1e-8)
 
         params = jax.tree.map(update, params, first, second)
-        return (params, first, second, count), loss
+        return (params, first, second, count), value
 
     @jax.jit
     def loop(state, loop_key, data):
