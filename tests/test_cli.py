@@ -253,6 +253,7 @@ def test_run_rejects_a_seed_beside_uniforms(tmp_path, capsys):
         (["--cache-lengths", "0"], "must be a positive integer"),
         (["--cache-lengths", "none", "64"], "none stands alone"),
         (["--cache-lengths"], "expected at least one argument"),
+        (["--verify", "Medusa", "--num-draft", "5"], "Medusa heads draft at most 4"),
     ],
 )
 def test_demo_loop_rejects_bad_arguments(arguments, message, capsys):

@@ -264,7 +264,7 @@ def test_the_shipped_heads_draft_their_definition_under_jit(models, batch):
     feature = np.asarray(state.target_cache[1][:, prompt.shape[1] - 2], np.float64)
     weight, bias = np.asarray(medusa.weight), np.asarray(medusa.bias)
     hidden = feature[:, None] + jax.nn.silu(
-        np.einsum("bf,kgf->bkg", feature, weight) + bias
+        np.einsum("bf,kfg->bkg", feature, weight) + bias
     )
     expected = np.asarray(hidden) @ np.asarray(medusa.lm_head, np.float64)
     drafts = eqx.filter_jit(medusa.draft)(state, uniforms, 4, speculax.SameAsTarget())

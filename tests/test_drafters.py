@@ -309,12 +309,14 @@ class FeatureDrafter(speculax.AbstractDrafter):
         return speculax.DraftRows(logits, jax.nn.softmax(logits))
 
 
-def feature_models(vocab: int, back: int) -> tuple[FeatureDrafter, FeatureBigram]:
+def feature_models(
+    vocab: int, back: int, scale: float = 1.0
+) -> tuple[FeatureDrafter, FeatureBigram]:
     draft, target = markov_pair(vocab, 1, seed=9)
     rng = np.random.default_rng(9)
     embedding = rng.normal(size=(vocab, 3))
     return (
-        FeatureDrafter(draft.logits, rng.normal(size=(3, vocab)), back),
+        FeatureDrafter(draft.logits, scale * rng.normal(size=(3, vocab)), back),
         FeatureBigram(target.logits, embedding),
     )
 
@@ -334,6 +336,11 @@ def test_a_drafter_given_the_features_of_a_rejected_position_samples_the_target(
     assert stats.chisquare(observed, expected).pvalue > 1e-3
     with pytest.raises(ValueError, match="at or past cache_length"):
         exact_error(feature_models(4, back=1)[0], target=feature_models(4, 1)[1])
+    # Features mixed in so faintly that no step's outcome changes at the cells'
+    # middles: the rows the drafter reports from the scrambled entries differ.
+    faint, target = feature_models(4, back=1, scale=1e-6)
+    with pytest.raises(ValueError, match="reported other rows"):
+        exact_error(faint, target=target)
 
 
 def test_jitted_loop_with_prompt_lookup_samples_the_target():

@@ -69,7 +69,7 @@ def reference_logits(head, embedding, history: list[int], drafts: list[int]):
     rows = []
     if isinstance(head, speculax.MedusaHeads):
         for k in range(len(drafts)):
-            hidden = feature + silu(head.weight[k] @ feature + head.bias[k])
+            hidden = feature + silu(feature @ head.weight[k] + head.bias[k])
             rows.append(hidden @ head.lm_head)
         return np.array(rows)
     for token in [history[-1], *drafts[:-1]]:

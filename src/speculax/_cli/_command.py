@@ -94,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error("--cache-lengths: none stands alone, without lengths")
             args.cache_lengths = []
         if args.loop:
+            from ._demo._heads import NUM_HEADS
+
+            if "Medusa" in args.verify and args.num_draft > NUM_HEADS:
+                parser.error(
+                    f"--num-draft: the shipped Medusa heads draft at most {NUM_HEADS} "
+                    f"tokens; got {args.num_draft}"
+                )
             return _demo_loop(args)
         return _demo()
     if args.command == "bench":

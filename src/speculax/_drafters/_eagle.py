@@ -13,7 +13,7 @@ from .._loop._drafter import AbstractDrafter, DraftRows, Drafts
 from .._loop._sampling import AbstractDraftSampling, RowParameters
 from .._loop._state import LoopState
 from .._pieces._sampling import InverseCDF
-from ._features import TargetFeatures, check_matrix, rows_times, verified_feature
+from ._features import TargetFeatures, check_float_array, rows_times, verified_feature
 
 
 @final
@@ -35,6 +35,9 @@ class EagleHead(AbstractDrafter):
     The block is a residual MLP, not EAGLE's decoder layer: it attends to no
     earlier position, so the head keeps no state and reads the target's feature
     from the target's cache each round (`docs/loop.md`, "The target's features").
+    Each row's products are summed on their own, as for
+    [`speculax.MedusaHeads`][]: the same bits alone as in a batch, slower than a
+    dot product for a large LM head.
 
     **Arguments:**
 
@@ -44,7 +47,8 @@ class EagleHead(AbstractDrafter):
     - `bias`: float `(F,)`, $b$.
     - `lm_head`: float `(F, V)`, $U$.
     - `features`: keyword only, where the target keeps its features: a function of
-        its cache that returns them, float `(B, T, F)`.
+        its cache that returns them, float `(B, T, F)`, defined once (a static
+        field: each new `lambda` compiles the loop anew).
     """
 
     embedding: Float[Array | np.ndarray, "vocab feature"]
@@ -62,7 +66,7 @@ class EagleHead(AbstractDrafter):
             ("bias", 1),
             ("lm_head", 2),
         ):
-            check_matrix(name, getattr(self, name), ndim)
+            check_float_array(name, getattr(self, name), ndim)
         vocab, width = jnp.shape(self.embedding)
         expected = {
             "fuse": (2 * width, width),

@@ -28,7 +28,7 @@ def verified_feature(
     return jnp.where((slot >= 0)[:, None], feature, 0)
 
 
-def check_matrix(name: str, value: ArrayLike, ndim: int) -> None:
+def check_float_array(name: str, value: ArrayLike, ndim: int) -> None:
     """Raises a `ValueError` naming a weight that is not a float array of `ndim`
     dimensions (a JAX or a NumPy array: NumPy weights are traced in JAX's default
     float dtype, float64 under x64)."""

@@ -13,7 +13,7 @@ from .._loop._drafter import AbstractDrafter, DraftRows, Drafts
 from .._loop._sampling import AbstractDraftSampling, RowParameters
 from .._loop._state import LoopState
 from .._pieces._sampling import InverseCDF
-from ._features import TargetFeatures, check_matrix, rows_times, verified_feature
+from ._features import TargetFeatures, check_float_array, rows_times, verified_feature
 
 
 @final
@@ -21,7 +21,7 @@ class MedusaHeads(AbstractDrafter):
     """Medusa's draft heads (Cai et al., 2024): head $k$ reads the target's feature
     $h$ at the history's last verified position (the one whose logits drew the
     history's last token) and gives the logits of draft $k$,
-    $\\left(h + \\mathrm{SiLU}(W_k h + b_k)\\right) U$, a residual block and an LM
+    $\\left(h + \\mathrm{SiLU}(h W_k + b_k)\\right) U$, a residual block and an LM
     head $U$ (the target's own, or one trained with the heads). Draft $k$ is drawn
     by inverse CDF from what the loop's `draft_sampling` makes of its logits, under
     the row's parameters: each draft's row depends on the history alone, not on
@@ -29,16 +29,20 @@ class MedusaHeads(AbstractDrafter):
 
     The heads keep no state: the feature is read from the target's cache each round
     (`docs/loop.md`, "The target's features"). A round of $G$ drafts uses the first
-    $G$ heads.
+    $G$ heads. Each row's products are summed on their own, not in a batched dot
+    product, so that a row drafts the same bits alone as in a batch: exact and
+    small, slower than a dot product for a large LM head.
 
     **Arguments:**
 
-    - `weight`: float `(K, F, F)`, each head's $W_k$.
+    - `weight`: float `(K, F, F)`, each head's $W_k$, applied to the feature as a
+        row vector.
     - `bias`: float `(K, F)`, each head's $b_k$.
     - `lm_head`: float `(F, V)`, $U$.
     - `features`: keyword only, where the target keeps its features: a function of
-        its cache that returns them, float `(B, T, F)` (for a cache that is a dict
-        with the features under `"features"`, `lambda cache: cache["features"]`).
+        its cache that returns them, float `(B, T, F)`. A static field: give a
+        function defined once (a module's), since each new `lambda` is a new value
+        and compiles the loop anew.
     """
 
     weight: Float[Array | np.ndarray, "heads feature feature"]
@@ -47,9 +51,9 @@ class MedusaHeads(AbstractDrafter):
     features: TargetFeatures = eqx.field(static=True, kw_only=True)
 
     def __check_init__(self):
-        check_matrix("weight", self.weight, 3)
-        check_matrix("bias", self.bias, 2)
-        check_matrix("lm_head", self.lm_head, 2)
+        check_float_array("weight", self.weight, 3)
+        check_float_array("bias", self.bias, 2)
+        check_float_array("lm_head", self.lm_head, 2)
         heads, width = jnp.shape(self.weight)[:2]
         if jnp.shape(self.weight)[2] != width or jnp.shape(self.bias) != (
             heads,
@@ -123,7 +127,8 @@ class MedusaHeads(AbstractDrafter):
         feature = verified_feature(self.features, target_cache, length)
         weight = jnp.asarray(self.weight)[:num_draft]
         bias = jnp.asarray(self.bias)[:num_draft]
-        mixed = jnp.sum(feature[:, None, None, :] * weight, axis=-1)
+        # `rows_times` for every head at once: h W_k, each row summed on its own.
+        mixed = jnp.sum(feature[:, None, :, None] * weight, axis=-2)
         hidden = feature[:, None] + jax.nn.silu(mixed + bias)
         logits = rows_times(hidden, jnp.asarray(self.lm_head))
         batch, _, vocab = logits.shape

@@ -4,7 +4,7 @@ row's history, and the round is counted."""
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, PyTree
 
 from ._cache import Cache
 from ._state import LoopState
@@ -22,7 +22,7 @@ class Verified(NamedTuple):
 def append_verified(
     state: LoopState,
     buffer: Int[Array, "batch time"],
-    caches: tuple[Cache, Cache],
+    caches: tuple[PyTree, Cache],
     verified: Verified,
     max_new_tokens: int,
     end_tokens: tuple[int, ...],

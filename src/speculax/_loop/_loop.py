@@ -296,8 +296,9 @@ class SpeculativeLoop(eqx.Module):
         top_k: ArrayLike | None = None,
         top_p: ArrayLike | None = None,
     ) -> LoopState:
-        """The state before the first step: each model's cache filled with the
-        prompts, in one call of each.
+        """The state before the first step: the drafter's state after the prompts
+        (`drafter.init`: a draft model's cache filled with them in one call) and the
+        target's cache filled with them in one call.
 
         **Arguments:**
 
@@ -377,8 +378,9 @@ class SpeculativeLoop(eqx.Module):
         accept_uniforms: Float[Array, "batch draft"],
         sample_uniforms: Float[Array, " batch"],
     ) -> LoopState:
-        """One step on every unfinished row, driven by the given uniforms: draft
-        $G$ tokens one at a time (or the tree level by level), score them with the
+        """One step on every unfinished row, driven by the given uniforms: the
+        drafter proposes $G$ tokens (a draft model fills a tree level by level),
+        the target scores them with the
         target in one call, verify, and append the kept drafts (the accepted path)
         and the drawn token (as many as fit in `max_new_tokens`, cut after the end
         token).

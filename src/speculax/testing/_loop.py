@@ -143,8 +143,11 @@ def loop_output_distribution(
     acceptance test seen not to be monotone in
     its uniform, residual weights without positive mass where they are drawn from, a
     sampler seen to draw a token on more than one interval of its uniform or a token
-    outside $[0, V)$, a step that did not do in a cell what the cell implies, or
-    more than two million cells in one step.
+    outside $[0, V)$, a step that did not do in a cell what the cell implies, a
+    drafter whose drafts or reported rows are not those `drawn_after` promises (from
+    the caches as the history makes them, or with the slots past it scrambled), a
+    drafter other than a draft model that keeps a state, or more than two million
+    cells in one step.
     """
     prompt = _checked_prompt(prompt, target_model)
     models = (
@@ -493,7 +496,7 @@ _ROWS_TOLERANCE = 1e-14
 
 def _drafts(
     loop: SpeculativeLoop,
-    drafter: AbstractDrafter,
+    models: Models,
     state: LoopState,
     draft_uniforms: jax.Array,
     parameters: RowParameters,
@@ -502,8 +505,10 @@ def _drafts(
     tree `(B, N)`, each node's token, `-1` for a node left out), and whether in each
     row the drafter reported the rows `drafter.drawn_after` gives after the
     history and the drafts before each (no rows for deterministic drafts), to
-    within `_ROWS_TOLERANCE`: the rows the step verifies by are then those the
-    drafts were drawn from."""
+    within `_ROWS_TOLERANCE`, given the target's cache of the history and the
+    drafts read whole: the rows the step verifies by are then those the drafts
+    were drawn from."""
+    drafter, target = models
     batch = state.length.shape[0]
     if loop.draft_tree is not None:
         assert isinstance(drafter, ModelDrafter)
@@ -519,12 +524,11 @@ def _drafts(
     drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
     positions = state.length[:, None] + jnp.arange(loop.num_nodes)
     buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(drafts.tokens)
-    # The target's cache of the history: its slots below `length - 1` are all a
-    # drafter may read, and those are the ones reading `buffer` whole writes.
+    _, target_cache = read_history(target, buffer, buffer.shape[1], "target_model")
     drawn = drafter.drawn_after(
         buffer,
         state.length,
-        state.target_cache,
+        target_cache,
         loop.num_nodes,
         parameters,
         loop.draft_sampling,
@@ -631,9 +635,22 @@ def _advance(
         )
         for k in range(len(variants))
     ]
-    drafts, reported = _drafts(
-        loop, drafter, before(caches), draft_uniforms, parameters
-    )
+    # The drafter's round from every variant of the caches: a drafter reading the
+    # target's entries past its history reports other rows from the scrambled ones.
+    if loop.draft_tree is None:
+        all_drafts, all_reported = _drafts(
+            loop,
+            models,
+            before(together, len(variants)),
+            uniforms[0],
+            RowParameters(*(_tiled_or_none(x, len(variants)) for x in parameters)),
+        )
+        drafts = all_drafts[:batch]
+        reported = all_reported.reshape(len(variants), batch).all(axis=0)
+    else:
+        drafts, reported = _drafts(
+            loop, models, before(caches), draft_uniforms, parameters
+        )
     faults, differences = cache_faults(
         loop, models, buffer, length, caches, after, drafts
     )

@@ -49,7 +49,7 @@ def heads_of(
 ) -> tuple[MedusaHeads, EagleHead]:
     """The drafters: the trainable weights, with the target's embedding and LM head,
     reading the features a `FeatureKeeping` target keeps."""
-    lm_head = target.unembedding.T
+    lm_head = lm_of(target)
     return (
         MedusaHeads(medusa["weight"], medusa["bias"], lm_head, features=kept_features),
         EagleHead(
@@ -81,7 +81,7 @@ def heads_loss(
     for k in range(NUM_HEADS):
         usable = length - 2 - k
         feature = features[:, :usable]
-        mixed = jnp.einsum("btf,gf->btg", feature, medusa_head.weight[k])
+        mixed = jnp.einsum("btf,fg->btg", feature, medusa_head.weight[k])
         hidden = feature + jax.nn.silu(mixed + medusa_head.bias[k])
         medusa_losses.append(_cross_entropy(hidden @ lm_of(target), rows[:, 2 + k :]))
     fused = jnp.concatenate(

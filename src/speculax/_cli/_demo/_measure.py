@@ -80,9 +80,9 @@ def demo_loop(
     chain of $G$ drafts verified token by token (`"chain"`, and `"prompt lookup"`,
     `"Medusa"` and `"EAGLE"`, whose drafts come from another drafter than the
     draft model: `drafting_models`) or by block verification (`"block"`); or the
-    `TREE_PATHS`
-    template, its children drawn without replacement, verified by recursive
-    rejection sampling (`"tree"`) or by traversal verification (`"traversal"`)."""
+    `TREE_PATHS` template, its children drawn without replacement, verified by
+    recursive rejection sampling (`"tree"`) or by traversal verification
+    (`"traversal"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
     siblings = SiblingsWithoutReplacement()
     loops: dict[str, Callable[[], SpeculativeLoop]] = {
