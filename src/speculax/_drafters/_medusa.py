@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PyTree
 
-from .._loop._drafter import AbstractDrafter, DraftRows, Drafts
+from .._loop._drafter import AbstractDrafter, DraftRows, Drafts, sampled_rows
 from .._loop._sampling import AbstractDraftSampling, RowParameters
 from .._loop._state import LoopState
 from .._pieces._sampling import InverseCDF
@@ -98,8 +98,15 @@ class MedusaHeads(AbstractDrafter):
         draft_sampling: AbstractDraftSampling,
     ) -> Drafts:
         parameters = RowParameters(state.temperature, state.top_k, state.top_p)
-        rows = self._rows(
-            state.target_cache, state.length, num_draft, parameters, draft_sampling
+        # The heads read the target's entries of the history alone: the state's
+        # cache holds the same there as a cache that read the history whole.
+        rows = self.drawn_after(
+            state.buffer,
+            state.length,
+            state.target_cache,
+            num_draft,
+            parameters,
+            draft_sampling,
         )
         tokens = jax.vmap(InverseCDF(), in_axes=1, out_axes=1)(rows.probs, uniforms)
         return Drafts(tokens, rows, None)
@@ -113,17 +120,6 @@ class MedusaHeads(AbstractDrafter):
         parameters: RowParameters,
         draft_sampling: AbstractDraftSampling,
     ) -> DraftRows:
-        return self._rows(target_cache, length, num_draft, parameters, draft_sampling)
-
-    def _rows(
-        self,
-        target_cache: PyTree,
-        length: Int[Array, " batch"],
-        num_draft: int,
-        parameters: RowParameters,
-        draft_sampling: AbstractDraftSampling,
-    ) -> DraftRows:
-        """Each head's logits and the rows `draft_sampling` makes of them."""
         feature = verified_feature(self.features, target_cache, length)
         weight = jnp.asarray(self.weight)[:num_draft]
         bias = jnp.asarray(self.bias)[:num_draft]
@@ -131,9 +127,4 @@ class MedusaHeads(AbstractDrafter):
         mixed = jnp.sum(feature[:, None, :, None] * weight, axis=-2)
         hidden = feature[:, None] + jax.nn.silu(mixed + bias)
         logits = rows_times(hidden, jnp.asarray(self.lm_head))
-        batch, _, vocab = logits.shape
-        flat = RowParameters(
-            *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
-        )
-        probs = draft_sampling(logits.reshape(batch * num_draft, vocab), *flat)
-        return DraftRows(logits, probs.reshape(batch, num_draft, vocab))
+        return sampled_rows(logits, parameters, draft_sampling)

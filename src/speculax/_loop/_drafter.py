@@ -5,6 +5,7 @@ import abc
 from typing import NamedTuple
 
 import equinox as eqx
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._sampling import AbstractDraftSampling, RowParameters
@@ -20,6 +21,22 @@ class DraftRows(NamedTuple):
 
     logits: Float[Array, "batch draft vocab"]
     probs: Float[Array, "batch draft vocab"]
+
+
+def sampled_rows(
+    logits: Float[Array, "batch draft vocab"],
+    parameters: RowParameters,
+    draft_sampling: AbstractDraftSampling,
+) -> DraftRows:
+    """The rows of drafts drawn from logits: the logits, and what `draft_sampling`
+    makes of each draft position's under the row's parameters, all positions in
+    one call of it."""
+    batch, num_draft, vocab = logits.shape
+    flat = RowParameters(
+        *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
+    )
+    probs = draft_sampling(logits.reshape(batch * num_draft, vocab), *flat)
+    return DraftRows(logits, probs.reshape(batch, num_draft, vocab))
 
 
 class Drafts(NamedTuple):

@@ -17,7 +17,7 @@ from ._cache import (
     read_chain,
     read_history,
 )
-from ._drafter import AbstractDrafter, DraftRows, Drafts
+from ._drafter import AbstractDrafter, DraftRows, Drafts, sampled_rows
 from ._model import LanguageModel
 from ._sampling import AbstractDraftSampling, RowParameters
 from ._state import LoopState
@@ -137,12 +137,7 @@ class ModelDrafter(AbstractDrafter):
     ) -> DraftRows:
         positions = (length - 1)[:, None] + jnp.arange(num_draft)
         logits = history_logits(self.cached_model, tokens, positions)
-        rows, _, vocab = logits.shape
-        flat = RowParameters(
-            *(None if x is None else jnp.repeat(x, num_draft) for x in parameters)
-        )
-        probs = draft_sampling(logits.reshape(rows * num_draft, vocab), *flat)
-        return DraftRows(logits, probs.reshape(rows, num_draft, vocab))
+        return sampled_rows(logits, parameters, draft_sampling)
 
 
 def history_logits(
