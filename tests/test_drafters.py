@@ -3,7 +3,7 @@ written from its definition, what it reads, its refusals, and the loop with it
 lossless, exactly (by enumeration) and statistically (the jitted loop)."""
 
 import functools
-from typing import final
+from typing import ClassVar, final
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +19,27 @@ from test_loop import STAT_TOKENS, MarkovModel, markov_pair, sequence_counts
 
 def reference_proposal(history: list[int], lowest: int, highest: int) -> int:
     """The definition, read literally: for $n$ from the longest down, the latest
-    earlier run equal to the last $n$ tokens; the token after it, or the last token
-    when there is none."""
+    earlier run equal to the last $n$ tokens; the token after it, or -1 when there
+    is none."""
     last = len(history) - 1
     for n in range(min(highest, last), lowest - 1, -1):
         suffix = history[last - n + 1 :]
         for end in range(last - 1, n - 2, -1):
             if history[end - n + 1 : end + 1] == suffix:
                 return history[end + 1]
-    return history[last]
+    return -1
+
+
+def reference_chain(history: list[int], num_draft: int, lowest, highest) -> list:
+    """A chain of proposals, each after the history and the ones before it, ended
+    by the first miss: -1 from there on."""
+    chain = []
+    for _ in range(num_draft):
+        proposal = reference_proposal(history + chain, lowest, highest)
+        if proposal < 0:
+            return chain + [-1] * (num_draft - len(chain))
+        chain.append(proposal)
+    return chain
 
 
 @functools.cache
@@ -76,7 +88,7 @@ def test_a_round_drafts_the_chain_of_proposals_without_rows(parameters):
     lengths = np.array([9, 4, 1, 7, 9, 2])
     _, target = markov_pair(3, 1, seed=2)
     loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=3)
-    lookup = speculax.PromptLookup(max_ngram=2)
+    lookup = speculax.PromptLookup(min_ngram=2, max_ngram=2)
     state = loop.start(
         lookup, target, jnp.asarray(prompt), jnp.asarray(lengths), **parameters
     )
@@ -86,9 +98,33 @@ def test_a_round_drafts_the_chain_of_proposals_without_rows(parameters):
         assert drafts.rows is None and drafts.state is None
         for b, length in enumerate(lengths.tolist()):
             history = prompt[b, :length].tolist()
-            for _ in range(4):
-                history.append(reference_proposal(history, 1, 2))
-            assert drafts.tokens[b].tolist() == history[length:]
+            assert drafts.tokens[b].tolist() == reference_chain(history, 4, 2, 2)
+    # A row without a match (a row of one token) drafts nothing.
+    assert drafts.tokens[2].tolist() == [-1] * 4
+
+
+def test_each_row_drafts_at_most_its_maximum():
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(0, 3, size=(6, 9)))
+    lengths = jnp.array([9, 4, 1, 7, 9, 2])
+    maximum = np.array([0, 1, 4, 2, 3, 4], np.uint8)
+    _, target = markov_pair(3, 1, seed=2)
+    loop = speculax.SpeculativeLoop(num_draft=4, max_new_tokens=3)
+    lookup = speculax.PromptLookup(max_ngram=2, max_draft=maximum)
+    uniforms = jnp.zeros((6, 4))
+    state = loop.start(lookup, target, prompt, lengths)
+    drafts = lookup.draft(state, uniforms, 4, speculax.SameAsTarget())
+    for b, length in enumerate(lengths.tolist()):
+        chain = reference_chain(prompt[b, :length].tolist(), 4, 1, 2)
+        kept = chain[: maximum[b]]
+        assert drafts.tokens[b].tolist() == kept + [-1] * (4 - len(kept))
+    # Cut at each maximum but the rows without a match (rows 2 and 5).
+    assert np.sum(np.asarray(drafts.tokens) >= 0, axis=1).tolist() == [0, 1, 0, 2, 3, 0]
+    # A row alone, with its maximum, drafts what it drafts in the batch.
+    alone = speculax.PromptLookup(max_ngram=2, max_draft=maximum[3:4])
+    state = loop.start(alone, target, prompt[3:4], lengths[3:4])
+    one = alone.draft(state, uniforms[3:4], 4, speculax.SameAsTarget())
+    np.testing.assert_array_equal(one.tokens, drafts.tokens[3:4])
 
 
 @pytest.mark.parametrize(
@@ -102,11 +138,23 @@ def test_a_round_drafts_the_chain_of_proposals_without_rows(parameters):
         ),
         ({"min_ngram": 2.0}, TypeError, "min_ngram must be an integer"),
         ({"max_ngram": True}, TypeError, "max_ngram must be an"),
+        ({"max_draft": 2.0}, TypeError, "max_draft must have an integer dtype"),
+        ({"max_draft": [True]}, TypeError, "max_draft must have an integer dtype"),
+        ({"max_draft": [1, -1]}, ValueError, r"max_draft must be non-negative"),
+        ({"max_draft": [[1]]}, ValueError, r"max_draft must have shape \(\) or"),
     ],
 )
 def test_bad_construction(arguments, error, match, without_runtime_type_checks):
     with pytest.raises(error, match=match):
         speculax.PromptLookup(**arguments)
+
+
+def test_a_maximum_per_row_needs_one_entry_per_row():
+    _, target = markov_pair(3, 1, seed=2)
+    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=2)
+    lookup = speculax.PromptLookup(max_draft=jnp.array([1, 2]))
+    with pytest.raises(ValueError, match=r"one entry per row, 3; got shape \(2,\)"):
+        loop(lookup, target, jnp.zeros((3, 4), jnp.int32), key=jax.random.key(0))
 
 
 def test_numpy_integers_are_read_by_value(without_runtime_type_checks):
@@ -156,6 +204,32 @@ def exact_error(
 def test_loop_with_prompt_lookup_is_lossless_exactly(step, parameters):
     lookup = speculax.PromptLookup(max_ngram=2)
     assert exact_error(lookup, step, parameters) < 1e-12
+
+
+@final
+class FullChainResidual(speculax.AbstractResidual):
+    """A wrong residual: the step's own, told every chain is whole, so that where a
+    chain ends early it corrects the placeholder past the end as a rejected draft
+    instead of drawing the bonus token from the target's row."""
+
+    reads_draft_probs: ClassVar[bool] = True
+    axis_name: ClassVar[None] = None
+
+    def __call__(
+        self, num_accepted, draft_tokens, draft_probs, target_probs, *, num_draft_tokens
+    ):
+        return speculax.Residual()(
+            num_accepted, draft_tokens, draft_probs, target_probs
+        )
+
+
+def test_chains_that_end_early_are_lossless_exactly():
+    """Chains of none (no match of two tokens) or one draft (the maximum) of two,
+    exactly; the residual that ignores where they end is refused."""
+    lookup = speculax.PromptLookup(min_ngram=2, max_ngram=2, max_draft=1)
+    assert exact_error(lookup) < 1e-12
+    wrong = speculax.SpeculativeStep(residual=FullChainResidual())
+    assert exact_error(lookup, wrong) > 1e-3
 
 
 @final
@@ -346,7 +420,9 @@ def test_a_drafter_given_the_features_of_a_rejected_position_samples_the_target(
 def test_jitted_loop_with_prompt_lookup_samples_the_target():
     _, target = markov_pair(3, 1, seed=11)
     loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=STAT_TOKENS)
-    observed, expected = sequence_counts(loop, speculax.PromptLookup(), target)
+    # Two drafts of three at most, none without a match: chains that end early.
+    lookup = speculax.PromptLookup(max_draft=2)
+    observed, expected = sequence_counts(loop, lookup, target)
     assert len(observed) > 15
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 

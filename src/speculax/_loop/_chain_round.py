@@ -9,7 +9,7 @@ from .._chain._step import SpeculativeStep, StepOutput
 from .._logits._step import LogitsStep
 from ._append import Verified, append_verified
 from ._cache import AbstractCachedModel, Cache, read_chain
-from ._drafter import AbstractDrafter, Drafts
+from ._drafter import AbstractDrafter, Drafts, ended_chains
 from ._model import widened
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
@@ -30,7 +30,9 @@ def chain_round(
     [`speculax.SpeculativeLoop.advance`][] runs it, from the `(draft, accept,
     sample)` uniforms: draft, score, verify and append."""
     draft_uniforms, accept_uniforms, sample_uniforms = uniforms
-    drafts = drafter.draft(state, draft_uniforms, num_draft, draft_sampling)
+    drafts, num_draft_tokens = ended_chains(
+        drafter.draft(state, draft_uniforms, num_draft, draft_sampling)
+    )
     rows = jnp.arange(state.buffer.shape[0])[:, None]
     buffer = state.buffer.at[rows, state.length[:, None] + jnp.arange(num_draft)].set(
         drafts.tokens
@@ -39,6 +41,7 @@ def chain_round(
     verified = verify_chain(
         step,
         drafts,
+        num_draft_tokens,
         target_logits,
         state,
         accept_uniforms,
@@ -84,6 +87,7 @@ def score_chain(
 def verify_chain(
     step: SpeculativeStep | LogitsStep,
     drafts: Drafts,
+    num_draft_tokens: Int[Array, " batch"] | None,
     target_logits: Float[Array, "batch positions vocab"],
     state: LoopState,
     accept_uniforms: Float[Array, "batch draft"],
@@ -93,7 +97,8 @@ def verify_chain(
     $q_i$ the drafts were drawn from and the target's rows $p_i$ under each row's
     parameters; a [`speculax.LogitsStep`][] on both models' logits and the
     parameters, from which it makes both itself. Deterministic drafts (no rows) are
-    verified as such by either."""
+    verified as such by either, each row's first `num_draft_tokens` (all $G$ for
+    `None`)."""
     if isinstance(step, SpeculativeStep):
         target_probs = row_probs(
             target_logits, RowParameters(state.temperature, state.top_k, state.top_p)
@@ -104,6 +109,7 @@ def verify_chain(
             target_probs,
             accept_uniforms,
             sample_uniforms,
+            num_draft_tokens=num_draft_tokens,
         )
     if state.temperature is None:
         raise ValueError(
@@ -122,4 +128,5 @@ def verify_chain(
         temperature=state.temperature,
         top_k=state.top_k,
         top_p=state.top_p,
+        num_draft_tokens=num_draft_tokens,
     )

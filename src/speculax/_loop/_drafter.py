@@ -42,7 +42,10 @@ def sampled_rows(
 class Drafts(NamedTuple):
     """A round's chain of drafts, as a [`speculax.AbstractDrafter`][] returns them.
 
-    - `tokens`: int32 `(B, G)`, the drafts.
+    - `tokens`: int32 `(B, G)`, the drafts. A chain of deterministic drafts may
+        end before $G$: from a row's first `-1` on it has no drafts, and the step
+        verifies only those before it (a row of `-1` only is verified without
+        drafts, its token drawn from the target's row).
     - `rows`: the [`speculax.DraftRows`][] they were drawn from, or `None` for
         deterministic drafts, which the step verifies as such (`draft_probs=None`:
         a draft passes with the target's probability of it).
@@ -55,6 +58,24 @@ class Drafts(NamedTuple):
     state: PyTree
 
 
+def chain_lengths(tokens: Int[Array, "batch draft"]) -> Int[Array, " batch"]:
+    """The number of drafts in each row's chain: those before its first `-1`."""
+    return jnp.sum(jnp.cumprod(tokens >= 0, axis=1), axis=1, dtype=jnp.int32)
+
+
+def ended_chains(drafts: Drafts) -> tuple[Drafts, Int[Array, " batch"] | None]:
+    """The drafts as the loop reads and verifies them, and the number of drafts in
+    each row's chain: deterministic drafts to each row's first `-1`, token 0 in
+    the slots past it (the target reads them, but the step reads none of their
+    logits); drafts drawn from rows all $G$ as they are (no lengths, which keeps
+    the ragged path out of the step's program)."""
+    if drafts.rows is not None:
+        return drafts, None
+    lengths = chain_lengths(drafts.tokens)
+    in_chain = jnp.arange(drafts.tokens.shape[1]) < lengths[:, None]
+    return drafts._replace(tokens=jnp.where(in_chain, drafts.tokens, 0)), lengths
+
+
 class AbstractDrafter(eqx.Module):
     """What proposes each round's drafts in a [`speculax.SpeculativeLoop`][]: a
     draft model ([`speculax.ModelDrafter`][], what the loop makes of a model it is
@@ -64,9 +85,11 @@ class AbstractDrafter(eqx.Module):
     from `rows.probs[:, i]` by inverse CDF with the row's `DRAFT` uniform $i$
     (or, for `rows=None`, is a function of the history alone), where those rows
     are a function of the history and the drafts before $i$, the ones
-    `drawn_after` gives. [`speculax.testing.loop_output_distribution`][] checks
-    the promise in every cell it enumerates: the drafts and rows of the loop's
-    round must equal those `drawn_after` gives, bit for bit.
+    `drawn_after` gives. Deterministic drafts may end a row's chain early with
+    `-1`, as `drawn_after` says where.
+    [`speculax.testing.loop_output_distribution`][] checks the promise in every
+    cell it enumerates: the drafts and rows of the loop's round must equal those
+    `drawn_after` gives, bit for bit.
 
     Subclass it and implement `init`, `draft` and `drawn_after`.
     """
@@ -161,5 +184,6 @@ class AbstractDrafter(eqx.Module):
         For drafts drawn from rows, the [`speculax.DraftRows`][] of each, `(B, G,
         V)`, row $i$ the one draft $i$ is drawn from after the history and the
         drafts before it; for deterministic drafts (`draft` returns
-        `rows=None`), the int32 `(B, G)` drafts proposed.
+        `rows=None`), the int32 `(B, G)` drafts proposed, `-1` from where a row's
+        chain ends, if it ends before $G$.
         """

@@ -338,6 +338,7 @@ def residual_weights(
     draft_tokens: Int[Array, "rows draft"],
     draft_probs: Float[Array, "rows draft vocab"],
     target_probs: Float[Array, "rows draft+1 vocab"],
+    num_draft_tokens: Int[Array, " rows"] | None = None,
 ) -> Float[Array, "rows draft+1 vocab"]:
     """The weights `residual` gives each row at every stopping position.
 
@@ -347,6 +348,8 @@ def residual_weights(
     - `draft_tokens`: integer `(rows, G)`.
     - `draft_probs`: float `(rows, G, V)`, $q_i$.
     - `target_probs`: float `(rows, G + 1, V)`, $p_i$.
+    - `num_draft_tokens`: integer `(rows,)`, the drafts in each row's chain, or
+        `None` for $G$ each.
 
     **Returns:**
 
@@ -360,7 +363,9 @@ def residual_weights(
         jnp.repeat(draft_tokens, stops, axis=0),
         jnp.repeat(draft_probs, stops, axis=0),
         jnp.repeat(target_probs, stops, axis=0),
-        num_draft_tokens=None,
+        num_draft_tokens=(
+            None if num_draft_tokens is None else jnp.repeat(num_draft_tokens, stops)
+        ),
     )
     return weights.reshape(rows, stops, -1)
 

@@ -14,7 +14,7 @@ from jaxtyping import ArrayLike
 from .._core._numerics import static_integer
 from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
-from .._loop._drafter import AbstractDrafter, DraftRows
+from .._loop._drafter import AbstractDrafter, DraftRows, ended_chains
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
@@ -68,14 +68,16 @@ def loop_output_distribution(
         $x_{<i}$ (for a draft model, what `loop.draft_sampling` makes of its
         logits: by default their softmax, under the sampling parameters if any);
         for deterministic drafts, exactly when $x$ is the token it proposes,
-        whatever the number;
+        whatever the number, and a chain it ends early (`-1`) has no draft $i$
+        past its end;
     - test $i$ passes exactly when its `ACCEPT` number lies below the threshold
         found by bisection on `loop.step.acceptance` (as
-        [`speculax.testing.output_distribution`][] does);
+        [`speculax.testing.output_distribution`][] does); past a chain's end no
+        test is made and the number is not read;
     - the drawn token is $y$ exactly when the `SAMPLE` number falls in the interval
         on which `loop.step.sampler` draws $y$ from the weights of
-        `loop.step.residual` at the count `loop.step.prefix` gives, the intervals
-        found by scanning the sampler (as
+        `loop.step.residual` at the count `loop.step.prefix` gives (told where
+        each chain ends), the intervals found by scanning the sampler (as
         [`speculax.testing.output_distribution`][] does: each token must be drawn on
         one interval, as by inverse CDF over the vocabulary in any order); a sampler
         that reads no uniform ([`speculax.Argmax`][]) leaves the number as it was.
@@ -523,7 +525,9 @@ def _drafts(
         return tokens, jnp.ones((batch,), jnp.bool_)
     drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
     positions = state.length[:, None] + jnp.arange(loop.num_nodes)
-    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(drafts.tokens)
+    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(
+        ended_chains(drafts)[0].tokens
+    )
     _, target_cache = read_history(target, buffer, buffer.shape[1], "target_model")
     drawn = drafter.drawn_after(
         buffer,

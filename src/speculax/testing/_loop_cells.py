@@ -13,7 +13,7 @@ import numpy as np
 from .._chain._step import SpeculativeStep
 from .._logits._step import LogitsStep
 from .._loop._cache import Model, as_cached_model, read_history
-from .._loop._drafter import AbstractDrafter, DraftRows
+from .._loop._drafter import AbstractDrafter, DraftRows, chain_lengths
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model_drafter import history_logits
@@ -61,6 +61,8 @@ class _StepPieces(NamedTuple):
         stopping after $n$ drafts.
     - `counts`: `(2^G,)`, the prefix count of each pattern of verdicts, in the
         order of `itertools.product([True, False])`.
+    - `lengths`: `(rows,)`, the drafts in each row's chain: $G$, or fewer where
+        deterministic drafts end early (`drawn_after` gives `-1` from there on).
     """
 
     rows: list[tuple[int, int]]
@@ -71,6 +73,7 @@ class _StepPieces(NamedTuple):
     weights: np.ndarray
     cells: SamplerCells
     counts: np.ndarray
+    lengths: np.ndarray
 
 
 def step_leaves(
@@ -107,14 +110,20 @@ def step_leaves(
     leaves = []
     for row, (state, sequence) in enumerate(pieces.rows):
         (_, constraints), probability = states[state]
+        # A chain of deterministic drafts that ends early is read with the
+        # placeholder 0 past its end, where its drafter gives -1.
+        length = int(pieces.lengths[row])
         drafts = tuple(pieces.sequences[sequence].tolist())
+        if any(drafts[length:]):
+            continue
         drafted = narrowed(
             Cell(dict(constraints), probability),
-            _draft_uses(pieces, names, row, drafts),
+            _draft_uses(pieces, names, row, drafts[:length]),
         )
         if drafted is None:
             continue
-        if not pieces.monotone[row].all():
+        drafts = drafts[:length] + (-1,) * (loop.num_nodes - length)
+        if not pieces.monotone[row, :length].all():
             raise ValueError(
                 f"{piece_name(loop, 'acceptance')} is not monotone in the uniform: "
                 "a position "
@@ -122,7 +131,10 @@ def step_leaves(
                 "some u below it"
             )
         for pattern, count in zip(patterns, pieces.counts.tolist(), strict=True):
-            tested = narrowed(drafted, _test_uses(pieces, names, row, pattern))
+            # Past the chain's end the step tests nothing: its uniforms are free.
+            if any(pattern[length:]):
+                continue
+            tested = narrowed(drafted, _test_uses(pieces, names, row, pattern[:length]))
             if tested is None:
                 continue
             for token, uses in _sample_uses(loop, pieces, names, row, count):
@@ -160,7 +172,7 @@ def _step_pieces(
     buffer, lengths = history_buffer(
         histories, len(prompt) + loop.max_new_tokens + num_draft + 1
     )
-    draft_probs, thresholds, monotone, weights = in_chunks(
+    draft_probs, thresholds, monotone, weights, lengths = in_chunks(
         lambda buffer, lengths, tokens, shift: _run_step_pieces(
             loop,
             drafter,
@@ -189,6 +201,7 @@ def _step_pieces(
             verified_pieces(loop.step).sampler, weights.reshape(-1, weights.shape[-1])
         ),
         counts=np.asarray(_prefix_counts(verified_pieces(loop.step), num_draft)),
+        lengths=lengths,
     )
 
 
@@ -223,8 +236,8 @@ def _draft_uses(
     row: int,
     drafts: tuple[int, ...],
 ) -> list[Use]:
-    """The uses of the `DRAFT` numbers that draw `drafts` in row `row`: each in its
-    token's cell of $q_i$."""
+    """The uses of the `DRAFT` numbers that draw `drafts` (the chain's first, or
+    all) in row `row`: each in its token's cell of $q_i$."""
     return [
         (
             names[DRAFT][i],
@@ -241,12 +254,13 @@ def _test_uses(
     row: int,
     pattern: tuple[bool, ...],
 ) -> list[Use]:
-    """The uses of the `ACCEPT` numbers that give the verdicts `pattern` in row
-    `row`: below its threshold for each test that passes, above for each that fails."""
+    """The uses of the `ACCEPT` numbers that give the verdicts `pattern` (of the
+    first drafts, or all) in row `row`: below its threshold for each test that
+    passes, above for each that fails."""
     return [
         (name, 0.0, threshold) if passed else (name, threshold, 1.0)
         for name, threshold, passed in zip(
-            names[ACCEPT], pieces.thresholds[row], pattern, strict=True
+            names[ACCEPT], pieces.thresholds[row], pattern, strict=False
         )
     ]
 
@@ -295,12 +309,13 @@ def _run_step_pieces(
     length: jax.Array,
     draft_tokens: jax.Array,
     probe_shift: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """For histories whose last $G$ tokens are the drafts, the rows the drafts are
     drawn from (`drafter.drawn_after`; the one-hot rows of deterministic drafts),
     and the step's pieces on the rows it verifies by: the acceptance thresholds,
-    whether they are consistent, and the residual weights at every stopping
-    position."""
+    whether they are consistent, the residual weights at every stopping position
+    (past the end of a chain of deterministic drafts that ends early, as the
+    loop's step makes them of its ragged batch), and the drafts in each chain."""
     step = verified_pieces(loop.step)
     rows, num_draft = draft_tokens.shape
     parameters = per_row(parameters, rows)
@@ -321,6 +336,7 @@ def _run_step_pieces(
         parameters,
         loop.draft_sampling,
     )
+    lengths = None if isinstance(drawn, DraftRows) else chain_lengths(drawn)
     drawn, draft_probs = _draft_rows(
         loop, drawn, draft_tokens, parameters, target_probs.shape[-1]
     )
@@ -331,8 +347,12 @@ def _run_step_pieces(
     else:
         thresholds = jnp.zeros((rows, 0), jnp.float64)
         monotone = jnp.ones((rows, 0), jnp.bool_)
-    weights = residual_weights(step.residual, draft_tokens, draft_probs, target_probs)
-    return drawn, thresholds, monotone, weights
+    weights = residual_weights(
+        step.residual, draft_tokens, draft_probs, target_probs, lengths
+    )
+    if lengths is None:
+        lengths = jnp.full((rows,), num_draft, jnp.int32)
+    return drawn, thresholds, monotone, weights, lengths
 
 
 def _draft_rows(
@@ -346,13 +366,13 @@ def _draft_rows(
     from what `drafter.drawn_after` gives: for drafts drawn from rows, the
     drafter's rows, as they are for a SpeculativeStep and as a LogitsStep makes
     them of their logits; for deterministic drafts, the one-hot rows of the
-    proposals and of the drafts."""
+    proposals (of the placeholder 0 past a chain's end) and of the drafts."""
     if isinstance(drawn, DraftRows):
         if isinstance(loop.step, LogitsStep):
             return drawn.probs, row_probs(drawn.logits, parameters)
         return drawn.probs, drawn.probs
     return (
-        jax.nn.one_hot(drawn, vocab, dtype=jnp.float64),
+        jax.nn.one_hot(jnp.maximum(drawn, 0), vocab, dtype=jnp.float64),
         jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.float64),
     )
 
