@@ -3,6 +3,8 @@ head: their rows against a NumPy reference written from their definitions, the l
 with each lossless, exactly (by enumeration) and statistically (the jitted loop),
 a row alone as in a batch, and their refusals."""
 
+from typing import final
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -179,3 +181,130 @@ def test_the_loop_refuses_a_head_that_does_not_fit(head, num_draft, match):
     loop = speculax.SpeculativeLoop(num_draft=num_draft, max_new_tokens=2)
     with pytest.raises(ValueError, match=match):
         loop(head(), target(), jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))
+
+
+# Trees of a head's drafts, filled from its rows: Medusa's candidates by rank (each
+# depth's head ranks the children, whatever the path), the EAGLE-style head's
+# children drawn without replacement from its row after the node's path.
+TREES = {
+    "Medusa top-k": (medusa, "top-k", speculax.IndependentSiblings()),
+    "EAGLE without replacement": (
+        eagle,
+        "without replacement",
+        speculax.SiblingsWithoutReplacement(),
+    ),
+}
+
+
+def head_tree_loop(
+    drafting: str,
+    siblings: speculax.AbstractSiblingRule,
+    max_new_tokens: int,
+    allow_lossy: bool = False,
+) -> speculax.SpeculativeLoop:
+    # A root with two children, the first of which has a child: depth 2.
+    return speculax.SpeculativeLoop(
+        draft_tree=speculax.DraftTree([0, 0, 1], drafting=drafting),
+        step=speculax.TreeStep(siblings=siblings),
+        max_new_tokens=max_new_tokens,
+        end_token=2,
+        allow_lossy=allow_lossy,
+    )
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_a_tree_of_a_heads_drafts_is_lossless_exactly(tree):
+    make, drafting, siblings = TREES[tree]
+    loop = head_tree_loop(drafting, siblings, max_new_tokens=4)
+    error = speculax.testing.loop_lossless_error(loop, make(3), target(3), [1, 0])
+    assert error < 1e-12
+
+
+def test_the_exact_test_catches_a_heads_tree_verified_by_the_wrong_rule():
+    # Children drawn independently, verified as if drawn without replacement.
+    loop = head_tree_loop(
+        "independent", speculax.SiblingsWithoutReplacement(), 3, allow_lossy=True
+    )
+    error = speculax.testing.loop_lossless_error(loop, eagle(3), target(3), [1, 0])
+    assert error > 0.01
+
+
+@pytest.mark.slow
+def test_the_exact_test_catches_a_tree_filled_from_the_wrong_rows(monkeypatch):
+    import speculax._loop._tree_round as tree_round
+
+    honest = tree_round.tree_rows
+
+    def first_row_at_every_depth(*arguments):
+        # Every node's children from head 0, whatever its depth.
+        rows = honest(*arguments)
+        return jnp.broadcast_to(rows[:, :1], rows.shape)
+
+    monkeypatch.setattr(tree_round, "tree_rows", first_row_at_every_depth)
+    # Three tokens: a program of its own, traced with the wrong rows.
+    loop = head_tree_loop("top-k", speculax.IndependentSiblings(), 3)
+    with pytest.raises(ValueError, match="drafter fills the draft tree"):
+        speculax.testing.loop_output_distribution(loop, medusa(3), target(3), [1, 0])
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_jitted_loop_with_a_tree_of_a_heads_drafts_samples_the_target(tree):
+    make, drafting, siblings = TREES[tree]
+    loop = head_tree_loop(drafting, siblings, max_new_tokens=STAT_TOKENS)
+    observed, expected = sequence_counts(loop, make(3), target(3))
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_a_row_of_a_heads_tree_loop_is_the_row_alone(tree):
+    make, drafting, siblings = TREES[tree]
+    loop = head_tree_loop(drafting, siblings, max_new_tokens=6)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, 3, size=(5, 4)))
+    keys = jax.random.split(jax.random.key(2), 5)
+    batch = loop(make(3), target(3), prompt, key=keys, temperature=0.8)
+    alone = loop(make(3), target(3), prompt[3:4], key=keys[3:4], temperature=0.8)
+    for name, value in alone.items():
+        if name != "num_target_calls":
+            np.testing.assert_array_equal(value, batch[name][3:4])
+
+
+@final
+class KeepsAState(speculax.AbstractDrafter):
+    """Medusa's heads with a state of their own, which a tree filled from the
+    rows would leave as it was."""
+
+    heads: speculax.MedusaHeads
+
+    def init(self, prompt, slots, num_draft, vocab_size):
+        return jnp.zeros(prompt.shape[0])
+
+    def draft(self, state, uniforms, num_draft, draft_sampling):
+        drafts = self.heads.draft(state, uniforms, num_draft, draft_sampling)
+        return drafts._replace(state=state.drafter_state + 1)
+
+    def drawn_after(
+        self, tokens, length, target_cache, num_draft, parameters, draft_sampling
+    ):
+        return self.heads.drawn_after(
+            tokens, length, target_cache, num_draft, parameters, draft_sampling
+        )
+
+
+@pytest.mark.parametrize(
+    ("drafter", "error", "match"),
+    [
+        (lambda: KeepsAState(medusa()), TypeError, "KeepsAState keeps one"),
+        (
+            lambda: speculax.PromptLookup(),
+            TypeError,
+            "PromptLookup drafts deterministic tokens without rows",
+        ),
+        (lambda: medusa(heads=1), ValueError, "at most the number of heads, 1"),
+    ],
+    ids=["a state", "deterministic drafts", "a tree deeper than the heads"],
+)
+def test_the_loop_refuses_a_tree_it_cannot_fill(drafter, error, match):
+    loop = head_tree_loop("top-k", speculax.IndependentSiblings(), 2)
+    with pytest.raises(error, match=match):
+        loop(drafter(), target(), jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))

@@ -111,7 +111,8 @@ class AbstractDrafter(eqx.Module):
         - `slots`: $T$, the width of the loop's token buffer (the prompt, the new
             tokens and a round's drafts).
         - `num_draft`: $G$, the drafts per round: for $G = 0$ the loop never
-            asks for any, and the state need not be filled.
+            asks for any, and the state need not be filled. For a draft tree,
+            its depth $D$, the drafts after the history whose rows fill it.
         - `vocab_size`: $V$, the target model's vocabulary, which a drafter's
             rows must score (raise a `ValueError` otherwise).
 

@@ -23,7 +23,7 @@ from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
-from ._model_drafter import ModelDrafter, as_drafter
+from ._model_drafter import as_drafter
 from ._sampling import (
     AbstractDraftSampling,
     RowParameters,
@@ -66,7 +66,10 @@ class SpeculativeLoop(eqx.Module):
     own rows, or deterministic drafts, which the step verifies as such.
 
     With a `draft_tree`, the draft model fills a [`speculax.DraftTree`][] level by
-    level, the target scores every node in one call with the ancestor mask, a tree
+    level (a drafter without a state fills it from its rows: a node's children
+    from the row of the next draft after the node's path, such as Medusa's head of
+    the next depth), the target scores every node in one call with the ancestor
+    mask, a tree
     step verifies it, and the accepted path's cache entries are moved to where the
     next round reads them; lossless when the tree step's sibling rule matches the
     tree's drafting.
@@ -231,7 +234,9 @@ class SpeculativeLoop(eqx.Module):
         - `drafter`: what proposes the drafts, a [`speculax.AbstractDrafter`][]
             ([`speculax.PromptLookup`][], say), or a draft model on the target's
             vocabulary, which the loop drafts with as a
-            [`speculax.ModelDrafter`][] (a draft tree needs one).
+            [`speculax.ModelDrafter`][]. A draft tree is filled by a draft
+            model, or by a drafter without a state (`drafter.init` gives
+            `None`) from the rows its `drawn_after` promises.
         - `target_model`: a [`speculax.AbstractCachedModel`][], which reads only
             the new tokens at each call, or a [`speculax.LanguageModel`][], a
             callable `(tokens, positions) -> logits` that reads the whole history
@@ -277,7 +282,7 @@ class SpeculativeLoop(eqx.Module):
         )
         return _generate(
             self,
-            as_drafter(drafter, tree=self.draft_tree is not None),
+            as_drafter(drafter),
             as_cached_model(target_model, "target_model"),
             prompt,
             prompt_lengths,
@@ -326,7 +331,7 @@ class SpeculativeLoop(eqx.Module):
         )
         return _initial_state(
             self,
-            as_drafter(drafter, tree=self.draft_tree is not None),
+            as_drafter(drafter),
             as_cached_model(target_model, "target_model"),
             prompt,
             prompt_length,
@@ -403,14 +408,14 @@ class SpeculativeLoop(eqx.Module):
         The [`speculax.LoopState`][] after the step. A finished row keeps its
         history and counts (its buffer past the history takes the step's drafts).
         """
-        drafter = as_drafter(drafter, tree=self.draft_tree is not None)
+        drafter = as_drafter(drafter)
         target = as_cached_model(target_model, "target_model")
         uniforms = (draft_uniforms, accept_uniforms, sample_uniforms)
         if self.draft_tree is not None:
             assert isinstance(self.step, AbstractTreeStep)
-            assert isinstance(drafter, ModelDrafter)
             return tree_round(
-                (drafter.cached_model, target),
+                drafter,
+                target,
                 state,
                 uniforms,
                 self.draft_tree,
@@ -624,6 +629,12 @@ def _generate(
     return loop.output(final)
 
 
+def drafts_after_history(loop: SpeculativeLoop) -> int:
+    """How many drafts after the history a round's rows are those of, as the
+    drafter's `init` is told: $G$ for a chain, the depth $D$ of a draft tree."""
+    return loop.num_nodes if loop.draft_tree is None else loop.draft_tree.depth
+
+
 def _initial_state(
     loop: SpeculativeLoop,
     drafter: AbstractDrafter,
@@ -642,7 +653,9 @@ def _initial_state(
     target_logits, target_cache = read_history(
         target_model, prompt, slots, "target_model"
     )
-    drafter_state = drafter.init(prompt, slots, loop.num_nodes, target_logits.shape[-1])
+    drafter_state = drafter.init(
+        prompt, slots, drafts_after_history(loop), target_logits.shape[-1]
+    )
     return LoopState(
         buffer=buffer,
         prompt_length=prompt_length,

@@ -152,10 +152,10 @@ def history_logits(
     return jnp.take_along_axis(logits, positions[..., None], axis=1)
 
 
-def as_drafter(drafter: Any, *, tree: bool) -> AbstractDrafter:
+def as_drafter(drafter: Any) -> AbstractDrafter:
     """`drafter` as the loop runs it: a drafter as it is, a model (with a cache or
     without) as a [`speculax.ModelDrafter`][]; a `TypeError` naming the argument
-    otherwise, or if it must fill a draft `tree`, which only a draft model does."""
+    otherwise."""
     if not isinstance(drafter, AbstractDrafter):
         if not (isinstance(drafter, AbstractCachedModel) or callable(drafter)):
             raise TypeError(
@@ -164,12 +164,6 @@ def as_drafter(drafter: Any, *, tree: bool) -> AbstractDrafter:
                 f"logits; got a {type(drafter).__name__}"
             )
         drafter = ModelDrafter(cast(AbstractCachedModel | LanguageModel, drafter))
-    if tree and not isinstance(drafter, ModelDrafter):
-        raise TypeError(
-            "a draft tree is drafted by a draft model: give the loop a model or a "
-            f"speculax.ModelDrafter as its drafter, not a {type(drafter).__name__}, "
-            "or draft a chain (num_draft)"
-        )
     return drafter
 
 

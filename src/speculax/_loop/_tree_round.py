@@ -1,7 +1,8 @@
-"""The stages of one round of the loop with a draft tree, in order: the draft model
-fills the tree level by level, the target scores it in one call with the ancestor
-mask, a tree step verifies it, and each model's cache keeps the accepted path's
-entries where the next round reads its history."""
+"""The stages of one round of the loop with a draft tree, in order: the drafter
+fills the tree level by level (a draft model with its cache, any other drafter by
+its definition), the target scores it in one call with the ancestor mask, a tree
+step verifies it, and each cache keeps the accepted path's entries where the next
+round reads its history."""
 
 from typing import NamedTuple
 
@@ -9,13 +10,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from .._pieces._sampling import InverseCDF
 from .._tree._abstract import AbstractTreeStep, TreeOutput
 from ._append import Verified, append_verified
 from ._cache import AbstractCachedModel, Cache, read_chain, read_new
 from ._draft_tree import DraftTree
+from ._drafter import AbstractDrafter, DraftRows
+from ._model_drafter import ModelDrafter
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
 
@@ -108,7 +111,8 @@ def draft_reads(tree: DraftTree, length: Int[Array, " batch"]) -> list[TreeRead]
 
 
 def tree_round(
-    models: tuple[AbstractCachedModel, AbstractCachedModel],
+    drafter: AbstractDrafter,
+    target_model: AbstractCachedModel,
     state: LoopState,
     uniforms: tuple[Array, Array, Array],
     tree: DraftTree,
@@ -121,10 +125,10 @@ def tree_round(
     it, from the `(draft, accept, sample)` uniforms: draft, score, verify, keep the
     path's cache entries and append."""
     draft_uniforms, accept_uniforms, sample_uniforms = uniforms
-    drafted, draft_cache = draft_tree(
-        models[0], state, draft_uniforms, tree, draft_sampling
+    drafted, drafter_state = drafted_tree(
+        drafter, state, draft_uniforms, tree, draft_sampling
     )
-    target_logits, target_cache = score_tree(models[1], state, drafted, tree)
+    target_logits, target_cache = score_tree(target_model, state, drafted, tree)
     verified = verify_tree(
         step,
         drafted,
@@ -135,7 +139,7 @@ def tree_round(
         sample_uniforms,
     )
     caches = keep_path(
-        (draft_cache, target_cache),
+        (drafter_state, target_cache),
         verified["accepted_nodes"],
         state.length,
         tree,
@@ -144,6 +148,130 @@ def tree_round(
     return append_verified(
         state, state.buffer, caches, kept, max_new_tokens, end_tokens
     )
+
+
+def drafted_tree(
+    drafter: AbstractDrafter,
+    state: LoopState,
+    draft_uniforms: Float[Array, "batch nodes"],
+    tree: DraftTree,
+    draft_sampling: AbstractDraftSampling,
+) -> tuple[DraftedTree, PyTree]:
+    """Each row's tree filled by the drafter, and its state after: a draft model
+    reads the tree with its cache (`draft_tree`); any other drafter, stateless,
+    fills it from its definition (`tree_by_definition`)."""
+    if isinstance(drafter, ModelDrafter):
+        return draft_tree(
+            drafter.cached_model, state, draft_uniforms, tree, draft_sampling
+        )
+    if state.drafter_state is not None:
+        raise TypeError(
+            "a draft tree is filled by a draft model, or from the definition of a "
+            f"drafter without a state; {type(drafter).__name__} keeps one: draft a "
+            "chain (num_draft) with it"
+        )
+    drafted = tree_by_definition(drafter, state, draft_uniforms, tree, draft_sampling)
+    return drafted, state.drafter_state
+
+
+def tree_by_definition(
+    drafter: AbstractDrafter,
+    state: LoopState,
+    draft_uniforms: Float[Array, "batch nodes"],
+    tree: DraftTree,
+    draft_sampling: AbstractDraftSampling,
+) -> DraftedTree:
+    """Fills each row's tree level by level from the rows `drafter.drawn_after`
+    promises: the children of a node of depth $d$ are drawn (`tree.drafting`,
+    draft node $j$ with uniform $j - 1$) from row $d$ of the drafts after the
+    history followed by the node's path, the row a chain through the node would
+    draw its next draft from. One call of `drawn_after` per level, every node of
+    the level at once, the target's cache shared among them: the drafter reads
+    only its slots of the history."""
+    batch = state.length.shape[0]
+    parameters = RowParameters(state.temperature, state.top_k, state.top_p)
+    slots = state.length[:, None] + jnp.arange(tree.depth)
+
+    def level_rows(
+        nodes: list[int], tokens: Int[Array, "batch nodes"]
+    ) -> Float[Array, "level batch vocab"]:
+        # Each node's path written after the history (a placeholder 0 past it).
+        paths = jnp.stack([_path_tokens(tree, node, tokens) for node in nodes])
+        buffers = jax.vmap(
+            lambda path: state.buffer.at[jnp.arange(batch)[:, None], slots].set(path)
+        )(paths)
+        rows = jax.vmap(
+            lambda buffer: tree_rows(
+                drafter,
+                buffer,
+                state.length,
+                state.target_cache,
+                tree.depth,
+                parameters,
+                draft_sampling,
+            )
+        )(buffers)
+        return rows[:, :, tree.depths[nodes[0]]]
+
+    tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32)
+    root = level_rows([0], tokens)[0]
+    drafted = DraftedTree(
+        parents=jnp.broadcast_to(
+            jnp.asarray(tree.parents, jnp.int32), (batch, tree.num_nodes)
+        ),
+        tokens=tokens,
+        probs=jnp.zeros((batch, tree.num_nodes + 1, root.shape[-1]), root.dtype),
+    )
+    drafted = _children_drawn(drafted, tree, 0, root, draft_uniforms)
+    for level in range(1, tree.depth):
+        nodes = [
+            node
+            for node in range(1, tree.num_nodes + 1)
+            if tree.depths[node] == level and tree.children(node)
+        ]
+        if not nodes:
+            continue
+        rows = level_rows(nodes, drafted.tokens)
+        for i, node in enumerate(nodes):
+            drafted = _children_drawn(drafted, tree, node, rows[i], draft_uniforms)
+    return drafted
+
+
+def _path_tokens(
+    tree: DraftTree, node: int, tokens: Int[Array, "batch nodes"]
+) -> Int[Array, "batch depth"]:
+    """The tokens of the path from the root's child to `node`, then 0s: `(B, D)`."""
+    path = []
+    while node:
+        path.append(tokens[:, node - 1])
+        node = tree.parents[node - 1]
+    padding = [jnp.zeros_like(tokens[:, 0])] * (tree.depth - len(path))
+    return jnp.stack([*reversed(path), *padding], axis=1)
+
+
+def tree_rows(
+    drafter: AbstractDrafter,
+    tokens: Int[Array, "batch time"],
+    length: Int[Array, " batch"],
+    target_cache: PyTree,
+    depth: int,
+    parameters: RowParameters,
+    draft_sampling: AbstractDraftSampling,
+) -> Float[Array, "batch depth vocab"]:
+    """The rows of $D$ drafts after each history, as `drawn_after` promises them
+    (its arguments): row $d$ is the one a node of depth $d$ on the path `tokens`
+    holds after the history has its children drawn from. A `TypeError` for
+    deterministic drafts, whose tree has no rows to rank."""
+    rows = drafter.drawn_after(
+        tokens, length, target_cache, depth, parameters, draft_sampling
+    )
+    if not isinstance(rows, DraftRows):
+        raise TypeError(
+            "a draft tree is filled from the rows its drafts are drawn from, and "
+            f"{type(drafter).__name__} drafts deterministic tokens without rows: "
+            "draft a chain (num_draft) with it"
+        )
+    return rows.probs
 
 
 def draft_tree(

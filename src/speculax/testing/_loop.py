@@ -18,10 +18,10 @@ from .._loop._drafter import AbstractDrafter, DraftRows, ended_chains
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
-from .._loop._model_drafter import ModelDrafter, as_drafter, history_logits
+from .._loop._model_drafter import as_drafter, history_logits
 from .._loop._sampling import RowParameters, row_parameters, row_probs
 from .._loop._state import LoopState
-from .._loop._tree_round import draft_tree
+from .._loop._tree_round import drafted_tree
 from .._tree._abstract import AbstractTreeStep
 from ._cells import Constraints, Leaf, Name, States, history_buffer
 from ._chain import in_chunks
@@ -153,7 +153,7 @@ def loop_output_distribution(
     """
     prompt = _checked_prompt(prompt, target_model)
     models = (
-        as_drafter(drafter, tree=loop.draft_tree is not None),
+        as_drafter(drafter),
         as_cached_model(target_model, "target_model"),
     )
     with jax.enable_x64(True):
@@ -513,13 +513,8 @@ def _drafts(
     drafter, target = models
     batch = state.length.shape[0]
     if loop.draft_tree is not None:
-        assert isinstance(drafter, ModelDrafter)
-        drafted, _ = draft_tree(
-            drafter.cached_model,
-            state,
-            draft_uniforms,
-            loop.draft_tree,
-            loop.draft_sampling,
+        drafted, _ = drafted_tree(
+            drafter, state, draft_uniforms, loop.draft_tree, loop.draft_sampling
         )
         tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)
         return tokens, jnp.ones((batch,), jnp.bool_)

@@ -16,7 +16,7 @@ from .._loop._cache import (
     read_history,
 )
 from .._loop._drafter import AbstractDrafter
-from .._loop._loop import SpeculativeLoop
+from .._loop._loop import SpeculativeLoop, drafts_after_history
 from .._loop._model_drafter import ModelDrafter
 from .._loop._state import LoopState
 from .._loop._tree_round import TreeRead, draft_reads, read_tree, tree_read
@@ -57,7 +57,7 @@ def _filled_state(
     loop: SpeculativeLoop, models: Models, buffer: jax.Array, vocab: int
 ) -> Any:
     """The drafter's state with every token of `buffer` read."""
-    return models[0].init(buffer, buffer.shape[1], loop.num_nodes, vocab)
+    return models[0].init(buffer, buffer.shape[1], drafts_after_history(loop), vocab)
 
 
 def check_drafter_state(

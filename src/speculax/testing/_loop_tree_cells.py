@@ -12,11 +12,12 @@ import numpy as np
 
 from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._draft_tree import DraftTree
-from .._loop._drafter import AbstractDrafter, DraftRows
+from .._loop._drafter import AbstractDrafter
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model_drafter import history_logits
 from .._loop._sampling import RowParameters, row_probs
+from .._loop._tree_round import tree_rows
 from .._tree._abstract import AbstractTreeStep
 from ._cells import (
     Cell,
@@ -208,8 +209,9 @@ def _state_rows(
     parameters: RowParameters,
 ) -> list[Rows]:
     """Each state's rows of both models after every sequence of up to $D$ tokens:
-    the draft's as `loop.draft_sampling` makes them, the target's under the
-    parameters, in float64."""
+    the drafter's (row $d$ of the drafts after the history, for a sequence of $d$
+    tokens: a draft model's as `loop.draft_sampling` makes them), the target's
+    under the parameters, in float64."""
     tree = loop.draft_tree
     assert tree is not None
     model = as_cached_model(target_model, "target_model")
@@ -230,10 +232,12 @@ def _state_rows(
     # One width for every step, so that the rows are compiled for once.
     width = len(prompt) + loop.max_new_tokens + tree.depth
     buffer, lengths = history_buffer(histories, width)
+    levels = np.tile([len(suffix) for suffix in suffixes], len(states))
     draft, target = in_chunks(
         lambda *rows: _rows_after(loop, drafter, target_model, parameters, *rows),
         buffer,
-        lengths,
+        (lengths - levels).astype(np.int32),
+        levels.astype(np.int32),
     )
     count = len(suffixes)
     return [
@@ -253,9 +257,12 @@ def _rows_after(
     parameters: RowParameters,
     buffer: jax.Array,
     length: jax.Array,
+    level: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Both models' rows after each history: the draft's by `loop.draft_sampling`,
-    the target's by the parameters' rule."""
+    """Both models' rows after each history of `length` tokens followed by `level`
+    more: the drafter's row of draft `level` after the history, as `drawn_after`
+    promises it (a draft model's by `loop.draft_sampling`), the target's by the
+    parameters' rule."""
     parameters = per_row(parameters, buffer.shape[0])
     target_logits, target_cache = read_history(
         as_cached_model(target_model, "target_model"),
@@ -263,12 +270,17 @@ def _rows_after(
         buffer.shape[1],
         "target_model",
     )
-    # A tree is drafted by a draft model, which reads no target entries.
-    draft = drafter.drawn_after(
-        buffer, length, target_cache, 1, parameters, loop.draft_sampling
+    tree = loop.draft_tree
+    assert tree is not None
+    draft = tree_rows(
+        drafter,
+        buffer,
+        length,
+        target_cache,
+        tree.depth,
+        parameters,
+        loop.draft_sampling,
     )
-    assert isinstance(draft, DraftRows)
-    target = row_probs(
-        target_logits[jnp.arange(length.shape[0]), length - 1], parameters
-    )
-    return draft.probs[:, 0], target
+    rows = jnp.arange(length.shape[0])
+    target = row_probs(target_logits[rows, length + level - 1], parameters)
+    return draft[rows, level], target
