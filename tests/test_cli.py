@@ -107,14 +107,16 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
             "--loop",
             "--max-new-tokens",
             "12",
-            # A chain from each drafter and a tree: block verification and
-            # TreeStep in the loop are tests/test_loop.py's and
-            # tests/test_loop_trees.py's.
+            # A chain from each drafter, Medusa's tree and a draft model's tree:
+            # block verification and TreeStep in the loop are tests/test_loop.py's
+            # and tests/test_loop_trees.py's, a tree of the EAGLE-style head's
+            # tests/test_feature_heads.py's.
             "--verify",
             "chain",
             "prompt lookup",
             "Medusa",
             "EAGLE",
+            "Medusa tree",
             "traversal",
             "--batch-sizes",
             "8",
@@ -130,16 +132,16 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
     # tables on standard output.
     lines = err.splitlines()
     assert lines[0] == (
-        "speculax demo --loop: [1/6] target alone, 8 per call: compiling and timing ..."
+        "speculax demo --loop: [1/7] target alone, 8 per call: compiling and timing ..."
     )
-    assert lines[11].startswith("speculax demo --loop: [6/6] traversal, 8 per call: ")
-    assert "8 new tokens, cacheless" in lines[13]
-    assert len(lines) == 14 and "compiling" not in out
+    assert lines[13].startswith("speculax demo --loop: [7/7] traversal, 8 per call: ")
+    assert "8 new tokens, cacheless" in lines[15]
+    assert len(lines) == 16 and "compiling" not in out
     names = ("target", "chain", "prompt", "Medusa", "EAGLE", "traversal")
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
-        if line.split() and line.split()[0] in names
+        if line.split() and line.split()[0] in names and "Medusa tree" not in line
     }
     assert rows["target"][1:][:4] == ["alone", "8", "0", "1.00"]
     assert rows["target"][-1] == "1.00x"
@@ -150,10 +152,14 @@ def test_demo_loop_reports_each_verification_and_the_cache(capsys):
     # Prompt lookup drafts without a model: 4 drafts, some of them kept.
     assert rows["prompt"][1:4] == ["lookup", "8", "4"]
     assert 1 < float(rows["prompt"][4]) <= 5
-    # The heads on the target's features: 4 drafts, some of them kept.
+    # The heads on the target's features: 4 drafts, some of them kept; Medusa's
+    # tree of 9 candidates keeps at most its depth, 4.
     for name in ("Medusa", "EAGLE"):
         assert rows[name][1:3] == ["8", "4"], name
         assert 1 < float(rows[name][3]) <= 5, name
+    tree_rows = [line.split() for line in out.splitlines() if "Medusa tree" in line]
+    assert len(tree_rows) == 1 and tree_rows[0][2:4] == ["8", "9"]
+    assert 1 < float(tree_rows[0][4]) <= 5
     # One batch of 8 prompts: the target alone takes one call per token.
     assert rows["target"][5] == "12" and 2 <= int(rows["chain"][4]) < 12
     assert "def __init__(self, " in out

@@ -247,7 +247,14 @@ def test_the_exact_test_catches_a_tree_filled_from_the_wrong_rows(monkeypatch):
         speculax.testing.loop_output_distribution(loop, medusa(3), target(3), [1, 0])
 
 
-@pytest.mark.parametrize("tree", list(TREES))
+# The EAGLE-style head's tree, whose rows depend on the path, in the default tier.
+SLOW_MEDUSA_TREE = [
+    pytest.param("Medusa top-k", marks=pytest.mark.slow),
+    "EAGLE without replacement",
+]
+
+
+@pytest.mark.parametrize("tree", SLOW_MEDUSA_TREE)
 def test_jitted_loop_with_a_tree_of_a_heads_drafts_samples_the_target(tree):
     make, drafting, siblings = TREES[tree]
     loop = head_tree_loop(drafting, siblings, max_new_tokens=STAT_TOKENS)
@@ -255,7 +262,7 @@ def test_jitted_loop_with_a_tree_of_a_heads_drafts_samples_the_target(tree):
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("tree", SLOW_MEDUSA_TREE)
 def test_a_row_of_a_heads_tree_loop_is_the_row_alone(tree):
     make, drafting, siblings = TREES[tree]
     loop = head_tree_loop(drafting, siblings, max_new_tokens=6)

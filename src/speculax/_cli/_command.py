@@ -67,6 +67,8 @@ FULL_DEMO = {
         "prompt lookup",
         "Medusa",
         "EAGLE",
+        "Medusa tree",
+        "EAGLE tree",
         "block",
         "tree",
         "traversal",

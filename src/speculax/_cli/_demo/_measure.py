@@ -61,12 +61,28 @@ TREE_PATHS: tuple[tuple[int, ...], ...] = (
     (0, 0, 0, 0, 0, 0),
     (0, 0, 0, 0, 0, 1),
 )
+# Medusa's tree of candidates, as paths of each head's ranks: its heads' best
+# tokens at every depth, the most likely chain longest. 9 nodes, depth 4, within
+# the shipped heads.
+MEDUSA_TREE_PATHS: tuple[tuple[int, ...], ...] = (
+    (0,),
+    (1,),
+    (2,),
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (0, 0, 0),
+    (0, 1, 0),
+    (0, 0, 0, 0),
+)
 VERIFICATIONS = (
     "target alone",
     "chain",
     "prompt lookup",
     "Medusa",
     "EAGLE",
+    "Medusa tree",
+    "EAGLE tree",
     "block",
     "tree",
     "traversal",
@@ -81,8 +97,10 @@ def demo_loop(
     `"Medusa"` and `"EAGLE"`, whose drafts come from another drafter than the
     draft model: `drafting_models`) or by block verification (`"block"`); or the
     `TREE_PATHS` template, its children drawn without replacement, verified by
-    recursive rejection sampling (`"tree"`) or by traversal verification
-    (`"traversal"`)."""
+    recursive rejection sampling (`"tree"`, and `"EAGLE tree"`, filled by the
+    EAGLE-style head) or by traversal verification (`"traversal"`); or Medusa's
+    `MEDUSA_TREE_PATHS`, each depth's children its head's most likely tokens,
+    verified as deterministic drafts (`"Medusa tree"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
     siblings = SiblingsWithoutReplacement()
     loops: dict[str, Callable[[], SpeculativeLoop]] = {
@@ -105,10 +123,18 @@ def demo_loop(
             max_new_tokens=max_new_tokens,
             step=TraversalStep(siblings=siblings),
         ),
+        "Medusa tree": lambda: SpeculativeLoop(
+            draft_tree=DraftTree(
+                parents_from_paths(MEDUSA_TREE_PATHS), drafting="top-k"
+            ),
+            max_new_tokens=max_new_tokens,
+            step=TreeStep(),
+        ),
     }
     # The chain's loop: only the drafters differ (`drafting_models`).
     for drafter in ("prompt lookup", "Medusa", "EAGLE"):
         loops[drafter] = loops["chain"]
+    loops["EAGLE tree"] = loops["tree"]
     if verification not in loops:
         raise ValueError(
             f"verification must be one of {VERIFICATIONS}; got {verification!r}"
@@ -120,13 +146,14 @@ def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, An
     """The drafter and the target a verification's loop is called with: the demo's
     draft model and target; for `"prompt lookup"` n-gram lookup in the row's
     history ([`speculax.PromptLookup`][], no draft model) and the target; for
-    `"Medusa"` and `"EAGLE"` the shipped heads (`load_demo_heads`) and the target
-    keeping its features in its cache (`FeatureKeeping`)."""
+    `"Medusa"` and `"EAGLE"` (their chains and trees) the shipped heads
+    (`load_demo_heads`) and the target keeping its features in its cache
+    (`FeatureKeeping`)."""
     if verification == "prompt lookup":
         return PromptLookup(max_ngram=4), models[1]
-    if verification in ("Medusa", "EAGLE"):
+    if verification.split()[0] in ("Medusa", "EAGLE"):
         medusa, eagle = load_demo_heads(models[1])
-        head = medusa if verification == "Medusa" else eagle
+        head = medusa if verification.startswith("Medusa") else eagle
         return head, FeatureKeeping(models[1])
     return models
 
