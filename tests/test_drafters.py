@@ -225,9 +225,12 @@ class FullChainResidual(speculax.AbstractResidual):
 
 def test_chains_that_end_early_are_lossless_exactly():
     """Chains of none (no match of two tokens) or one draft (the maximum) of two,
-    exactly; the residual that ignores where they end is refused."""
+    exactly, token by token and by block verification (whose test at a chain's
+    last draft reads where it ends); the residual that ignores where they end is
+    refused."""
     lookup = speculax.PromptLookup(min_ngram=2, max_ngram=2, max_draft=1)
     assert exact_error(lookup) < 1e-12
+    assert exact_error(lookup, speculax.block_step()) < 1e-12
     wrong = speculax.SpeculativeStep(residual=FullChainResidual())
     assert exact_error(lookup, wrong) > 1e-3
 

@@ -384,6 +384,7 @@ def acceptance_thresholds(
     draft_probs: Float[Array, "rows draft vocab"],
     target_probs: Float[Array, "rows draft+1 vocab"],
     probe_shift: Float[Array, "rows draft"],
+    num_draft_tokens: Int[Array, " rows"] | None = None,
 ) -> tuple[Float[Array, "rows draft"], Bool[Array, "rows draft"]]:
     """The threshold $t_i$ below which each position's test passes, so that
     $P(\\text{pass}) = t_i$ for a uniform $u_i$, and whether probes agree with
@@ -405,6 +406,9 @@ def acceptance_thresholds(
     - `draft_probs`: float `(rows, G, V)`, $q_i$.
     - `target_probs`: float `(rows, G + 1, V)`, $p_i$.
     - `probe_shift`: float64 `(rows, G)` in $[0, 1)$, from `fresh_probe_shifts`.
+    - `num_draft_tokens`: integer `(rows,)`, the drafts in each row's chain (a
+        test may read where its chain ends, as block verification's does), or
+        `None` for $G$ each.
 
     **Returns:**
 
@@ -421,7 +425,11 @@ def acceptance_thresholds(
         middle = jnp.maximum(passing + (failing - passing) // 2, 0)
         u = jax.lax.bitcast_convert_type(middle, jnp.float64)
         passed = acceptance(
-            draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            u,
+            num_draft_tokens=num_draft_tokens,
         )
         still_open = failing - passing > 1
         passing = jnp.where(still_open & passed, middle, passing)
@@ -441,7 +449,11 @@ def acceptance_thresholds(
         u = _probes(probe_shift, j)
         passed = jax.vmap(
             lambda u: acceptance(
-                draft_tokens, draft_probs, target_probs, u, num_draft_tokens=None
+                draft_tokens,
+                draft_probs,
+                target_probs,
+                u,
+                num_draft_tokens=num_draft_tokens,
             )
         )(u)
         return consistent & jnp.all(passed == (u < thresholds), axis=0)

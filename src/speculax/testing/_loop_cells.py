@@ -260,7 +260,10 @@ def _test_uses(
     return [
         (name, 0.0, threshold) if passed else (name, threshold, 1.0)
         for name, threshold, passed in zip(
-            names[ACCEPT], pieces.thresholds[row], pattern, strict=False
+            names[ACCEPT][: len(pattern)],
+            pieces.thresholds[row, : len(pattern)],
+            pattern,
+            strict=True,
         )
     ]
 
@@ -342,7 +345,12 @@ def _run_step_pieces(
     )
     if num_draft:
         thresholds, monotone = acceptance_thresholds(
-            step.acceptance, draft_tokens, draft_probs, target_probs, probe_shift
+            step.acceptance,
+            draft_tokens,
+            draft_probs,
+            target_probs,
+            probe_shift,
+            lengths,
         )
     else:
         thresholds = jnp.zeros((rows, 0), jnp.float64)
