@@ -170,7 +170,8 @@ def test_bad_construction(make, match, without_runtime_type_checks):
         (
             lambda: medusa(heads=2),
             3,
-            "num_draft must be at most the number of heads, 2",
+            r"num_draft \(a draft tree's depth\) must be at most the number of "
+            "heads, 2",
         ),
         (lambda: medusa(vocab=5), 2, "lm_head must score the target's vocabulary"),
         (lambda: eagle(vocab=5), 2, "embedding and lm_head must cover"),
@@ -315,3 +316,12 @@ def test_the_loop_refuses_a_tree_it_cannot_fill(drafter, error, match):
     loop = head_tree_loop("top-k", speculax.IndependentSiblings(), 2)
     with pytest.raises(error, match=match):
         loop(drafter(), target(), jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))
+
+
+def test_a_head_whose_row_at_a_node_is_no_distribution_is_named():
+    # NaN weights: every row of the heads is NaN.
+    broken = eqx.tree_at(lambda head: head.lm_head, medusa(3), np.full((3, 3), np.nan))
+    loop = head_tree_loop("top-k", speculax.IndependentSiblings(), 2)
+    named = r"the drafter \(MedusaHeads\) gives a draft row at a node"
+    with pytest.raises(RuntimeError, match=named):
+        loop(broken, target(3), jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))

@@ -79,8 +79,8 @@ class MedusaHeads(AbstractDrafter):
     ) -> None:
         if num_draft > jnp.shape(self.weight)[0]:
             raise ValueError(
-                f"num_draft must be at most the number of heads, "
-                f"{jnp.shape(self.weight)[0]}; got {num_draft}"
+                f"num_draft (a draft tree's depth) must be at most the number of "
+                f"heads, {jnp.shape(self.weight)[0]}; got {num_draft}"
             )
         if jnp.shape(self.lm_head)[1] != vocab_size:
             raise ValueError(

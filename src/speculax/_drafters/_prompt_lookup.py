@@ -43,9 +43,9 @@ class PromptLookup(AbstractDrafter):
     finds nothing, or at its maximum draft length: a row without a match, or
     with a maximum of 0, has no drafts, and its token is drawn from the target's
     row. (Once a lookup matches, every later one in the chain does, since each
-    proposal extends a run that occurred before: a row drafts none or all of its
-    maximum.) It keeps no state, reads only the history, and a row's proposals
-    never depend on the other rows.
+    proposal extends a run that occurred before: a row drafts none of its
+    maximum or all of it, up to $G$.) It keeps no state, reads only the history,
+    and a row's proposals never depend on the other rows.
 
     The loop is lossless with it as with any drafter: the drafts' quality moves
     only how many are accepted (high on text that repeats its context, such as

@@ -169,7 +169,8 @@ class AbstractDrafter(eqx.Module):
         **Arguments:**
 
         - `tokens`: int32 `(B, T)`, each row's history, its first `length`
-            tokens, followed by $G$ drafts (and anything past them).
+            tokens, followed by $G$ drafts (and anything past them); for a draft
+            tree, by the path to a node and then 0s, $G$ being the tree's depth.
         - `length`: int32 `(B,)`, the histories' lengths.
         - `target_cache`: the target model's cache after reading `tokens` in one
             call. The drafter may read its slots below `length - 1`, the entries

@@ -69,10 +69,9 @@ class SpeculativeLoop(eqx.Module):
     level (a drafter without a state fills it from its rows: a node's children
     from the row of the next draft after the node's path, such as Medusa's head of
     the next depth), the target scores every node in one call with the ancestor
-    mask, a tree
-    step verifies it, and the accepted path's cache entries are moved to where the
-    next round reads them; lossless when the tree step's sibling rule matches the
-    tree's drafting.
+    mask, a tree step verifies it, and the accepted path's cache entries are moved
+    to where the next round reads them; lossless when the tree step's sibling rule
+    matches the tree's drafting.
 
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each

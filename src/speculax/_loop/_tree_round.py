@@ -194,7 +194,7 @@ def tree_by_definition(
 
     def level_rows(
         nodes: list[int], tokens: Int[Array, "batch nodes"]
-    ) -> Float[Array, "level batch vocab"]:
+    ) -> Float[Array, "batch level vocab"]:
         # Each node's path written after the history (a placeholder 0 past it).
         paths = jnp.stack([_path_tokens(tree, node, tokens) for node in nodes])
         buffers = jax.vmap(
@@ -211,10 +211,14 @@ def tree_by_definition(
                 draft_sampling,
             )
         )(buffers)
-        return rows[:, :, tree.depths[nodes[0]]]
+        return _checked_rows(
+            jnp.moveaxis(rows[:, :, tree.depths[nodes[0]]], 0, 1),
+            state,
+            f"the drafter ({type(drafter).__name__}) gives a",
+        )
 
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32)
-    root = level_rows([0], tokens)[0]
+    root = level_rows([0], tokens)[:, 0]
     drafted = DraftedTree(
         parents=jnp.broadcast_to(
             jnp.asarray(tree.parents, jnp.int32), (batch, tree.num_nodes)
@@ -229,11 +233,9 @@ def tree_by_definition(
             for node in range(1, tree.num_nodes + 1)
             if tree.depths[node] == level and tree.children(node)
         ]
-        if not nodes:
-            continue
         rows = level_rows(nodes, drafted.tokens)
         for i, node in enumerate(nodes):
-            drafted = _children_drawn(drafted, tree, node, rows[i], draft_uniforms)
+            drafted = _children_drawn(drafted, tree, node, rows[:, i], draft_uniforms)
     return drafted
 
 
@@ -344,15 +346,24 @@ def _sampled(
         )
     )
     probs = draft_sampling(logits.reshape(batch * count, vocab), *parameters)
-    probs = probs.reshape(batch, count, vocab)
-    # The tree step is given no row of "top-k" drafts to check, and a draw from a
-    # row that is no distribution is a token the row never meant.
+    return _checked_rows(
+        probs.reshape(batch, count, vocab), state, "draft_model gives logits whose"
+    )
+
+
+def _checked_rows(
+    probs: Float[Array, "batch nodes vocab"], state: LoopState, whose: str
+) -> Float[Array, "batch nodes vocab"]:
+    """`probs`, raising at run time where a row not done has a node's row that is
+    no distribution: the tree step is given no row of "top-k" drafts to check,
+    and a draw from a row that is no distribution is a token the row never meant.
+    `whose` begins the message."""
     not_a_distribution = ~jnp.isfinite(probs).all(axis=-1) | ~(probs.sum(axis=-1) > 0)
     return eqx.error_if(
         probs,
         not_a_distribution & ~state.done[:, None],
-        "draft_model gives logits whose draft row at a node of the draft tree has "
-        "NaN or an infinite value, or no token of positive probability",
+        f"{whose} draft row at a node of the draft tree has NaN or an infinite "
+        "value, or no token of positive probability",
     )
 
 

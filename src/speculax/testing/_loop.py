@@ -519,10 +519,13 @@ def _drafts(
         tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)
         return tokens, jnp.ones((batch,), jnp.bool_)
     drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
+    read, lengths = ended_chains(drafts)
     positions = state.length[:, None] + jnp.arange(loop.num_nodes)
-    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(
-        ended_chains(drafts)[0].tokens
-    )
+    buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(read.tokens)
+    # What the loop verifies: a chain to its first -1, whatever follows it.
+    if lengths is not None:
+        in_chain = jnp.arange(loop.num_nodes) < lengths[:, None]
+        drafts = drafts._replace(tokens=jnp.where(in_chain, drafts.tokens, -1))
     _, target_cache = read_history(target, buffer, buffer.shape[1], "target_model")
     drawn = drafter.drawn_after(
         buffer,

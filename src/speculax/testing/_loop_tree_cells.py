@@ -283,4 +283,5 @@ def _rows_after(
     )
     rows = jnp.arange(length.shape[0])
     target = row_probs(target_logits[rows, length + level - 1], parameters)
-    return draft[rows, level], target
+    # A node of depth D has no children: its draft row is never read.
+    return draft[rows, jnp.minimum(level, tree.depth - 1)], target

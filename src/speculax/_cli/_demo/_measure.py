@@ -142,6 +142,10 @@ def demo_loop(
     return loops[verification]()
 
 
+# The verifications drafted by a shipped head: its index in `load_demo_heads`.
+_HEAD_OF = {"Medusa": 0, "EAGLE": 1, "Medusa tree": 0, "EAGLE tree": 1}
+
+
 def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, Any]:
     """The drafter and the target a verification's loop is called with: the demo's
     draft model and target; for `"prompt lookup"` n-gram lookup in the row's
@@ -151,10 +155,9 @@ def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, An
     (`FeatureKeeping`)."""
     if verification == "prompt lookup":
         return PromptLookup(max_ngram=4), models[1]
-    if verification.split()[0] in ("Medusa", "EAGLE"):
-        medusa, eagle = load_demo_heads(models[1])
-        head = medusa if verification.startswith("Medusa") else eagle
-        return head, FeatureKeeping(models[1])
+    if verification in _HEAD_OF:
+        heads = load_demo_heads(models[1])
+        return heads[_HEAD_OF[verification]], FeatureKeeping(models[1])
     return models
 
 
