@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from .._core._checks import check_static_int
 from .._core._numerics import integer_by_value, integer_input
-from .._loop._drafter import AbstractDrafter, Drafts, chain_lengths
+from .._loop._drafter import AbstractDrafter, Drafts, chain_lengths, cut_chains
 from .._loop._sampling import AbstractDraftSampling, RowParameters
 from .._loop._state import LoopState
 
@@ -193,7 +193,7 @@ class PromptLookup(AbstractDrafter):
         """Each row's chain of proposals ended at its first miss (where the
         lookups after it read a placeholder in its slot) or at its maximum draft
         length: `-1` from there on."""
-        batch, num_draft = proposals.shape
+        batch = proposals.shape[0]
         length = chain_lengths(proposals)
         if self.max_draft is not None:
             if self.max_draft.ndim and self.max_draft.shape[0] not in (1, batch):
@@ -202,4 +202,4 @@ class PromptLookup(AbstractDrafter):
                     f"{self.max_draft.shape}"
                 )
             length = jnp.minimum(length, self.max_draft)
-        return jnp.where(jnp.arange(num_draft) < length[..., None], proposals, -1)
+        return cut_chains(proposals, length, -1)

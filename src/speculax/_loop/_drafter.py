@@ -63,6 +63,14 @@ def chain_lengths(tokens: Int[Array, "batch draft"]) -> Int[Array, " batch"]:
     return jnp.sum(jnp.cumprod(tokens >= 0, axis=1), axis=1, dtype=jnp.int32)
 
 
+def cut_chains(
+    tokens: Int[Array, "batch draft"], lengths: Int[Array, " batch"], fill: int
+) -> Int[Array, "batch draft"]:
+    """Each row's first `lengths` tokens, then `fill`."""
+    in_chain = jnp.arange(tokens.shape[1]) < lengths[:, None]
+    return jnp.where(in_chain, tokens, fill)
+
+
 def ended_chains(drafts: Drafts) -> tuple[Drafts, Int[Array, " batch"] | None]:
     """The drafts as the loop reads and verifies them, and the number of drafts in
     each row's chain: deterministic drafts to each row's first `-1`, token 0 in
@@ -72,8 +80,7 @@ def ended_chains(drafts: Drafts) -> tuple[Drafts, Int[Array, " batch"] | None]:
     if drafts.rows is not None:
         return drafts, None
     lengths = chain_lengths(drafts.tokens)
-    in_chain = jnp.arange(drafts.tokens.shape[1]) < lengths[:, None]
-    return drafts._replace(tokens=jnp.where(in_chain, drafts.tokens, 0)), lengths
+    return drafts._replace(tokens=cut_chains(drafts.tokens, lengths, 0)), lengths
 
 
 class AbstractDrafter(eqx.Module):

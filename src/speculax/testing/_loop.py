@@ -14,7 +14,7 @@ from jaxtyping import ArrayLike
 from .._core._numerics import static_integer
 from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
-from .._loop._drafter import AbstractDrafter, DraftRows, ended_chains
+from .._loop._drafter import AbstractDrafter, DraftRows, cut_chains, ended_chains
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
@@ -524,8 +524,7 @@ def _drafts(
     buffer = state.buffer.at[jnp.arange(batch)[:, None], positions].set(read.tokens)
     # What the loop verifies: a chain to its first -1, whatever follows it.
     if lengths is not None:
-        in_chain = jnp.arange(loop.num_nodes) < lengths[:, None]
-        drafts = drafts._replace(tokens=jnp.where(in_chain, drafts.tokens, -1))
+        drafts = drafts._replace(tokens=cut_chains(drafts.tokens, lengths, -1))
     _, target_cache = read_history(target, buffer, buffer.shape[1], "target_model")
     drawn = drafter.drawn_after(
         buffer,
