@@ -358,6 +358,22 @@ def test_every_interval_wider_than_the_stated_gap_holds_a_probe():
     assert gaps.max() < 1.2e-3
 
 
+@pytest.mark.parametrize(
+    "interval",
+    [(0.25, 0.5), (1 - 2**-53, 1.0), (0.5, 0.5 + 2**-53), (0.0, 2**-1074)],
+    ids=["wide", "one ulp below 1", "one ulp above 1/2", "the least subnormal"],
+)
+def test_the_uniform_of_a_cell_lies_in_its_interval(interval):
+    # A deterministic child whose target probability rounds to 1 - 2**-53 leaves
+    # a cell one ulp wide, whose middle rounds to 1: a uniform the step refuses.
+    from speculax.testing._cells import Cell, leaf_at_middle
+
+    names = {speculax.DRAFT: [], speculax.ACCEPT: [(0, 0)], speculax.SAMPLE: [(1, 0)]}
+    cell = Cell({(0, 0): interval}, 1e-16)
+    uniform = leaf_at_middle(0, cell, names, (), (), 0).accept_uniforms[0]
+    assert interval[0] <= uniform < interval[1]
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17, 300, 1500])
 def test_the_rows_of_an_enumeration_are_run_in_chunks_of_few_sizes(rows):
     """Each row's output comes back in its place, whatever the chunk it ran in; a

@@ -102,9 +102,12 @@ def leaf_at_middle(
 # on every call under runtime type checking, a millisecond each over thousands of
 # leaves.
 def _middle(cell: Cell, name: Name) -> float:
-    """The middle of the interval of `name` in `cell` (of `[0, 1)` if not read)."""
+    """The middle of the interval of `name` in `cell` (of `[0, 1)` if not read): a
+    number in it, its low end for an interval one ulp wide, whose middle rounds to
+    the high end, outside it."""
     low, high = cell.intervals.get(name, (0.0, 1.0))
-    return (low + high) / 2
+    middle = (low + high) / 2
+    return middle if middle < high else low
 
 
 def history_buffer(
