@@ -3,6 +3,7 @@ head: their rows against a NumPy reference written from their definitions, the l
 with each lossless, exactly (by enumeration) and statistically (the jitted loop),
 a row alone as in a batch, and their refusals."""
 
+import dataclasses
 from typing import final
 
 import equinox as eqx
@@ -325,3 +326,36 @@ def test_a_head_whose_row_at_a_node_is_no_distribution_is_named():
     named = r"the drafter \(MedusaHeads\) gives a draft row at a node"
     with pytest.raises(RuntimeError, match=named):
         loop(broken, target(3), jnp.zeros((1, 2), jnp.int32), key=jax.random.key(0))
+
+
+HALF_EMBEDDING = (
+    np.random.default_rng(25).normal(size=(VOCAB, WIDTH)).astype(np.float16)
+)
+
+
+def half_features(buffer):
+    """Float16 features of the tokens a cacheless target's buffer holds."""
+    return jnp.asarray(HALF_EMBEDDING)[buffer]
+
+
+def widened_features(buffer):
+    """The same features' values, in float32."""
+    return jnp.asarray(HALF_EMBEDDING, jnp.float32)[buffer]
+
+
+def test_the_eagle_style_head_reads_features_narrower_than_its_weights():
+    # The head predicts features in its weights' dtype; a target's float16 ones
+    # enter its scan widened, as if given so.
+    target = speculax.Cacheless(markov_pair(VOCAB, 1, seed=5)[1])
+    loop = speculax.SpeculativeLoop(num_draft=3, max_new_tokens=6)
+    prompt = jnp.asarray([[1, 0, 2], [3, 3, 1]])
+    half, widened = (
+        loop(
+            dataclasses.replace(eagle(), features=f),
+            target,
+            prompt,
+            key=jax.random.key(0),
+        )
+        for f in (half_features, widened_features)
+    )
+    np.testing.assert_array_equal(half["tokens"], widened["tokens"])

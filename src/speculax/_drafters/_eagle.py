@@ -106,6 +106,7 @@ class EagleHead(AbstractDrafter):
         parameters = RowParameters(state.temperature, state.top_k, state.top_p)
         feature = verified_feature(self.features, state.target_cache, state.length)
         token = state.buffer[jnp.arange(state.length.shape[0]), state.length - 1]
+        feature = self._carried(feature, token, parameters, draft_sampling)
 
         # Each draft is traced once: the head reads the draft just drawn.
         def draw(carry: tuple, uniform: Float[Array, " batch"]) -> tuple:
@@ -129,12 +130,28 @@ class EagleHead(AbstractDrafter):
         feature = verified_feature(self.features, target_cache, length)
         positions = (length - 1)[:, None] + jnp.arange(num_draft)
         before = jnp.take_along_axis(tokens, positions, axis=1)
+        feature = self._carried(feature, before[:, 0], parameters, draft_sampling)
 
         def read(feature: Array, token: Int[Array, " batch"]) -> tuple:
             return self._next(feature, token, parameters, draft_sampling)
 
         _, rows = jax.lax.scan(read, feature, before.T)
         return _draft_major(rows)
+
+    def _carried(
+        self,
+        feature: Float[Array, "batch feature"],
+        token: Int[Array, " batch"],
+        parameters: RowParameters,
+        draft_sampling: AbstractDraftSampling,
+    ) -> Float[Array, "batch feature"]:
+        """The target's feature in the dtype of the features the head predicts (its
+        own and its weights', promoted): a scan's carry keeps one dtype, and a
+        target may keep narrower features than the head's weights."""
+        predicted = jax.eval_shape(
+            lambda: self._next(feature, token, parameters, draft_sampling)[0]
+        )
+        return feature.astype(predicted.dtype)
 
     def _next(
         self,
