@@ -45,6 +45,7 @@ from ._loop._drafter import (
     DraftRows as DraftRows,
     Drafts as Drafts,
 )
+from ._loop._dynamic_tree import DynamicTree as DynamicTree
 from ._loop._keys import (
     ACCEPT as ACCEPT,
     DRAFT as DRAFT,

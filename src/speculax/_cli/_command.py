@@ -634,12 +634,15 @@ def _demo_loop(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         progress=progress,
     )
+    width = max(len("verification"), *(len(result.verification) for result in results))
     print(
-        "verification   per call  drafts  tokens/call  target calls      time  speedup"
+        f"{'verification':<{width}}  per call  drafts  tokens/call  target calls"
+        "      time  speedup"
     )
     for result in results:
         print(
-            f"{result.verification:<13}  {result.batch_size:8d}  {result.drafts:6d}"
+            f"{result.verification:<{width}}  {result.batch_size:8d}"
+            f"  {result.drafts:6d}"
             f"  {result.tokens_per_call:11.2f}  {result.target_calls:12d}"
             f"  {1000 * result.seconds:6.0f} ms  {result.speedup:6.2f}x"
         )

@@ -21,6 +21,7 @@ from ._cache import AbstractCachedModel, as_cached_model, read_history
 from ._chain_round import chain_round
 from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter
+from ._dynamic_tree import DynamicTree
 from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
 from ._model import LanguageModel
 from ._model_drafter import as_drafter
@@ -71,7 +72,10 @@ class SpeculativeLoop(eqx.Module):
     the next depth), the target scores every node in one call with the ancestor
     mask, a tree step verifies it, and the accepted path's cache entries are moved
     to where the next round reads them; lossless when the tree step's sibling rule
-    matches the tree's drafting.
+    matches the tree's drafting. A drafter without a state may instead grow each
+    row's tree anew every round from its confidences, a
+    [`speculax.DynamicTree`][] as EAGLE-2 grows it: deterministic drafts, lossless
+    with a [`speculax.TreeStep`][].
 
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each
@@ -99,8 +103,9 @@ class SpeculativeLoop(eqx.Module):
     - `num_draft`: $G$, the number of draft tokens per step of a chain, a
         non-negative static integer. $G = 0$ samples the target alone, one token
         per call.
-    - `draft_tree`: a [`speculax.DraftTree`][] to draft instead of a chain. Exactly
-        one of `num_draft` and `draft_tree` is given.
+    - `draft_tree`: a [`speculax.DraftTree`][] or a [`speculax.DynamicTree`][] to
+        draft instead of a chain. Exactly one of `num_draft` and `draft_tree` is
+        given.
     - `step`: the verification step. For a chain: a [`speculax.SpeculativeStep`][]
         (the default one, [`speculax.greedy_step`][], [`speculax.block_step`][], or
         any composition of pieces), given the rows $q_i$ and $p_i$; or a
@@ -159,7 +164,7 @@ class SpeculativeLoop(eqx.Module):
     num_draft: int | None = eqx.field(
         static=True, default=None, kw_only=True, converter=integer_by_value
     )
-    draft_tree: DraftTree | None = eqx.field(default=None, kw_only=True)
+    draft_tree: DraftTree | DynamicTree | None = eqx.field(default=None, kw_only=True)
     step: SpeculativeStep | LogitsStep | AbstractTreeStep = eqx.field(
         default=SpeculativeStep(), kw_only=True
     )
@@ -173,16 +178,18 @@ class SpeculativeLoop(eqx.Module):
     allow_lossy: bool = eqx.field(static=True, default=False, kw_only=True)
 
     def __check_init__(self):
-        if self.draft_tree is not None and not isinstance(self.draft_tree, DraftTree):
+        if self.draft_tree is not None and not isinstance(
+            self.draft_tree, DraftTree | DynamicTree
+        ):
             raise TypeError(
                 "draft_tree must be a speculax.DraftTree, such as "
-                'DraftTree(parents, drafting="independent"); got a '
-                f"{type(self.draft_tree).__name__}"
+                'DraftTree(parents, drafting="independent"), or a '
+                f"speculax.DynamicTree; got a {type(self.draft_tree).__name__}"
             )
         if (self.num_draft is None) == (self.draft_tree is None):
             raise ValueError(
                 "give the loop exactly one of num_draft (a chain of G drafts) and "
-                "draft_tree (a speculax.DraftTree)"
+                "draft_tree (a speculax.DraftTree or a speculax.DynamicTree)"
             )
         _check_step(self.step, self.draft_tree)
         if not self.allow_lossy:
@@ -235,7 +242,8 @@ class SpeculativeLoop(eqx.Module):
             vocabulary, which the loop drafts with as a
             [`speculax.ModelDrafter`][]. A draft tree is filled by a draft
             model, or by a drafter without a state (`drafter.init` gives
-            `None`) from the rows its `drawn_after` promises.
+            `None`) from the rows its `drawn_after` promises; a dynamic tree is
+            grown by a drafter without a state only.
         - `target_model`: a [`speculax.AbstractCachedModel`][], which reads only
             the new tokens at each call, or a [`speculax.LanguageModel`][], a
             callable `(tokens, positions) -> logits` that reads the whole history
@@ -463,7 +471,8 @@ class SpeculativeLoop(eqx.Module):
 
 
 def _check_step(
-    step: SpeculativeStep | LogitsStep | AbstractTreeStep, tree: DraftTree | None
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep,
+    tree: DraftTree | DynamicTree | None,
 ) -> None:
     """Raises unless `step` suits the drafts (a tree step for a tree, a chain step
     otherwise) and the loop: whole rows, values checked and failures raised."""
@@ -496,7 +505,8 @@ def _check_step(
 
 
 def _check_sibling_rule(
-    step: SpeculativeStep | LogitsStep | AbstractTreeStep, tree: DraftTree | None
+    step: SpeculativeStep | LogitsStep | AbstractTreeStep,
+    tree: DraftTree | DynamicTree | None,
 ) -> None:
     """Raises if the tree step's sibling rule is one of the library's and not the
     one of the tree's drafting: the loop would be lossy."""

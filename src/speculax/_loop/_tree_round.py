@@ -1,8 +1,8 @@
 """The stages of one round of the loop with a draft tree, in order: the drafter
 fills the tree level by level (a draft model with its cache, any other drafter by
-its definition), the target scores it in one call with the ancestor mask, a tree
-step verifies it, and each cache keeps the accepted path's entries where the next
-round reads its history."""
+its definition) or grows each row's own (a dynamic tree), the target scores it in
+one call with each row's ancestor mask, a tree step verifies it, and each cache
+keeps the accepted path's entries where the next round reads its history."""
 
 from typing import NamedTuple
 
@@ -18,6 +18,7 @@ from ._append import Verified, append_verified
 from ._cache import AbstractCachedModel, Cache, read_chain, read_new
 from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter, DraftRows
+from ._dynamic_tree import DynamicTree, ancestor_mask, grown_tree
 from ._model_drafter import ModelDrafter
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
@@ -26,17 +27,18 @@ from ._state import LoopState
 class DraftedTree(NamedTuple):
     """A round's draft trees, one per row, as a tree step takes them.
 
-    - `parents`: int32 `(B, N)`, the template's parents, `-1` for a node left out
-        (a child drawn without replacement from a row with no token left, and the
-        nodes below it).
+    - `parents`: int32 `(B, N)`, each draft node's parent: a template's, `-1` for
+        a node left out (a child drawn without replacement from a row with no
+        token left, and the nodes below it), or the row's own in a dynamic tree.
     - `tokens`: int32 `(B, N)`, each draft node's token (0 where left out).
     - `probs`: float `(B, N + 1, V)`, row $k$ the distribution node $k$'s children
-        were drawn from, or ranked in (zeros for a node without children).
+        were drawn from, or ranked in (zeros for a node without children); `None`
+        for a dynamic tree, whose deterministic drafts are verified without rows.
     """
 
     parents: Int[Array, "batch nodes"]
     tokens: Int[Array, "batch nodes"]
-    probs: Float[Array, "batch positions vocab"]
+    probs: Float[Array, "batch positions vocab"] | None
 
 
 class TreeRead(NamedTuple):
@@ -100,6 +102,27 @@ def read_tree(
     )
 
 
+def whole_tree_read(
+    tree: DraftTree | DynamicTree,
+    parents: Int[Array, "batch nodes"],
+    length: Int[Array, " batch"],
+) -> TreeRead:
+    """The call that reads the root and every draft node of each row's tree after
+    histories of `length` tokens, node $k$ written at slot `length - 1 + k`: the
+    template's mask for a `DraftTree`, each row's own, of its `parents`, for a
+    `DynamicTree`."""
+    if isinstance(tree, DraftTree):
+        return tree_read(tree, tuple(range(tree.num_nodes + 1)), length)
+    mask, depths = ancestor_mask(parents, tree.depth)
+    return TreeRead(
+        nodes=tuple(range(tree.num_nodes + 1)),
+        positions=(length - 1)[:, None] + depths,
+        mask=mask,
+        cache_length=length - 1,
+        is_chain=False,
+    )
+
+
 def draft_reads(tree: DraftTree, length: Int[Array, " batch"]) -> list[TreeRead]:
     """The calls in which the draft model scores the tree's inner nodes after the
     root, one per level $1, \\dots, D - 1$: level $d$ reads every node of depth
@@ -115,7 +138,7 @@ def tree_round(
     target_model: AbstractCachedModel,
     state: LoopState,
     uniforms: tuple[Array, Array, Array],
-    tree: DraftTree,
+    tree: DraftTree | DynamicTree,
     step: AbstractTreeStep,
     draft_sampling: AbstractDraftSampling,
     max_new_tokens: int,
@@ -128,7 +151,12 @@ def tree_round(
     drafted, drafter_state = drafted_tree(
         drafter, state, draft_uniforms, tree, draft_sampling
     )
-    target_logits, target_cache = score_tree(target_model, state, drafted, tree)
+    target_logits, target_cache = score_tree(
+        target_model,
+        state,
+        drafted,
+        whole_tree_read(tree, drafted.parents, state.length),
+    )
     verified = verify_tree(
         step,
         drafted,
@@ -154,24 +182,56 @@ def drafted_tree(
     drafter: AbstractDrafter,
     state: LoopState,
     draft_uniforms: Float[Array, "batch nodes"],
-    tree: DraftTree,
+    tree: DraftTree | DynamicTree,
     draft_sampling: AbstractDraftSampling,
 ) -> tuple[DraftedTree, PyTree]:
     """Each row's tree filled by the drafter, and its state after: a draft model
-    reads the tree with its cache (`draft_tree`); any other drafter, stateless,
-    fills it from its definition (`tree_by_definition`)."""
-    if isinstance(drafter, ModelDrafter):
+    reads a `DraftTree` with its cache (`draft_tree`); any other drafter, stateless,
+    fills it from its definition (`tree_by_definition`), or grows a `DynamicTree`
+    (`dynamic_tree`)."""
+    if isinstance(tree, DraftTree) and isinstance(drafter, ModelDrafter):
         return draft_tree(
             drafter.cached_model, state, draft_uniforms, tree, draft_sampling
         )
+    if isinstance(drafter, ModelDrafter):
+        raise TypeError(
+            "a dynamic tree is grown by a drafter without a state, and a draft model "
+            "keeps its cache: draft a speculax.DraftTree or a chain (num_draft) "
+            "with it"
+        )
     if state.drafter_state is not None:
         raise TypeError(
-            "a draft tree is filled by a draft model, or from the definition of a "
-            f"drafter without a state; {type(drafter).__name__} keeps one: draft a "
-            "chain (num_draft) with it"
+            "a draft tree is filled by a draft model, or by a drafter without a "
+            f"state; {type(drafter).__name__} keeps one: draft a chain (num_draft) "
+            "with it"
         )
-    drafted = tree_by_definition(drafter, state, draft_uniforms, tree, draft_sampling)
+    if isinstance(tree, DynamicTree):
+        drafted = dynamic_tree(drafter, state, tree, draft_sampling)
+    else:
+        drafted = tree_by_definition(
+            drafter, state, draft_uniforms, tree, draft_sampling
+        )
     return drafted, state.drafter_state
+
+
+def dynamic_tree(
+    drafter: AbstractDrafter,
+    state: LoopState,
+    tree: DynamicTree,
+    draft_sampling: AbstractDraftSampling,
+) -> DraftedTree:
+    """Each row's tree grown from the rows `drafter.drawn_after` promises, as
+    [`speculax.DynamicTree`][] defines it: the row after a node of depth $d$ is row
+    $d$ of the drafts after the history followed by the node's path. One call of
+    `drawn_after` per depth, the $k$ expanded nodes at once."""
+    parents, tokens = grown_tree(
+        tree,
+        lambda paths, depth: _rows_after_paths(
+            drafter, state, paths, depth, tree.depth, draft_sampling
+        ),
+        state.length.shape[0],
+    )
+    return DraftedTree(parents, tokens, None)
 
 
 def tree_by_definition(
@@ -186,35 +246,15 @@ def tree_by_definition(
     draft node $j$ with uniform $j - 1$) from row $d$ of the drafts after the
     history followed by the node's path, the row a chain through the node would
     draw its next draft from. One call of `drawn_after` per level, every node of
-    the level at once, the target's cache shared among them: the drafter reads
-    only its slots of the history."""
+    the level at once."""
     batch = state.length.shape[0]
-    parameters = RowParameters(state.temperature, state.top_k, state.top_p)
-    slots = state.length[:, None] + jnp.arange(tree.depth)
 
     def level_rows(
         nodes: list[int], tokens: Int[Array, "batch nodes"]
     ) -> Float[Array, "batch level vocab"]:
-        # Each node's path written after the history (a placeholder 0 past it).
-        paths = jnp.stack([_path_tokens(tree, node, tokens) for node in nodes])
-        buffers = jax.vmap(
-            lambda path: state.buffer.at[jnp.arange(batch)[:, None], slots].set(path)
-        )(paths)
-        rows = jax.vmap(
-            lambda buffer: tree_rows(
-                drafter,
-                buffer,
-                state.length,
-                state.target_cache,
-                tree.depth,
-                parameters,
-                draft_sampling,
-            )
-        )(buffers)
-        return _checked_rows(
-            jnp.moveaxis(rows[:, :, tree.depths[nodes[0]]], 0, 1),
-            state,
-            f"the drafter ({type(drafter).__name__}) gives a",
+        paths = jnp.stack([_path_tokens(tree, node, tokens) for node in nodes], 1)
+        return _rows_after_paths(
+            drafter, state, paths, tree.depths[nodes[0]], tree.depth, draft_sampling
         )
 
     tokens = jnp.zeros((batch, tree.num_nodes), jnp.int32)
@@ -237,6 +277,44 @@ def tree_by_definition(
         for i, node in enumerate(nodes):
             drafted = _children_drawn(drafted, tree, node, rows[:, i], draft_uniforms)
     return drafted
+
+
+def _rows_after_paths(
+    drafter: AbstractDrafter,
+    state: LoopState,
+    paths: Int[Array, "batch paths depth"],
+    level: int | Int[Array, ""],
+    depth: int,
+    draft_sampling: AbstractDraftSampling,
+) -> Float[Array, "batch paths vocab"]:
+    """Row `level` of the $D$ drafts `drafter.drawn_after` promises after each
+    history followed by each of its paths (`(B, M, D)`, 0s past a path's end):
+    the row a node at the end of the path has its children from. The paths are
+    vmapped over, the target's cache shared rather than copied: the drafter reads
+    only its slots of the history."""
+    batch = state.length.shape[0]
+    parameters = RowParameters(state.temperature, state.top_k, state.top_p)
+    slots = state.length[:, None] + jnp.arange(depth)
+    buffers = jax.vmap(
+        lambda path: state.buffer.at[jnp.arange(batch)[:, None], slots].set(path),
+        in_axes=1,
+    )(paths)
+    rows = jax.vmap(
+        lambda buffer: tree_rows(
+            drafter,
+            buffer,
+            state.length,
+            state.target_cache,
+            depth,
+            parameters,
+            draft_sampling,
+        )
+    )(buffers)
+    return _checked_rows(
+        jnp.moveaxis(rows[:, :, level], 0, 1),
+        state,
+        f"the drafter ({type(drafter).__name__}) gives a",
+    )
 
 
 def _path_tokens(
@@ -409,6 +487,8 @@ def _children_drawn(
         parents, tokens, _ = jax.lax.fori_loop(
             0, len(children), child_drawn, (parents, tokens, probs)
         )
+    # A template's tree keeps the row of every node (only a dynamic tree has none).
+    assert drafted.probs is not None
     return DraftedTree(parents, tokens, drafted.probs.at[:, node].set(probs))
 
 
@@ -416,18 +496,18 @@ def score_tree(
     target_model: AbstractCachedModel,
     state: LoopState,
     drafted: DraftedTree,
-    tree: DraftTree,
+    read: TreeRead,
 ) -> tuple[Float[Array, "batch positions vocab"], Cache]:
-    """The target's logits at every node of each row's tree, in one call that reads
-    the root (the history's last token) and the $N$ draft nodes, each seeing its
-    ancestors: node $k$ written at slot `length - 1 + k`.
+    """The target's logits at every node of each row's tree, in one call, `read`
+    (`whole_tree_read`), that reads the root (the history's last token) and the
+    $N$ draft nodes, each seeing its ancestors: node $k$ written at slot
+    `length - 1 + k`.
 
     **Returns:**
 
     `(target_logits, target_cache)`: the `(B, N + 1, V)` logits, row $k$ after the
     path to node $k$, and the target's cache after the call.
     """
-    read = tree_read(tree, tuple(range(tree.num_nodes + 1)), state.length)
     root = state.buffer[jnp.arange(state.length.shape[0]), state.length - 1]
     return read_tree(target_model, read, root, drafted.tokens, state.target_cache)
 
@@ -462,14 +542,15 @@ def keep_path(
     caches: tuple[Cache, Cache],
     accepted_nodes: Int[Array, "batch width"],
     length: Int[Array, " batch"],
-    tree: DraftTree,
+    tree: DraftTree | DynamicTree,
 ) -> tuple[Cache, Cache]:
     """Each model's cache with the accepted path's entries moved to where the next
     round reads its history: path node $i$ (depth $i$) to slot `length - 1 + i`,
     from the slot its last call wrote it in. The target wrote node $k$ at
     `length - 1 + k`; the draft, which reads no node of depth $D$, wrote the nodes
-    of its last call from slot `length` on. Only the path's slots are written, in
-    place: no copy of a cache is made.
+    of its last call from slot `length` on (a dynamic tree's drafter keeps no
+    cache). Only the path's slots are written, in place: no copy of a cache is
+    made.
 
     **Arguments:**
 
@@ -477,20 +558,19 @@ def keep_path(
     - `accepted_nodes`: int32, the path's nodes, then `-1`, as the tree step
         returns them.
     - `length`: int32 `(B,)`, the histories' lengths before the round.
-    - `tree`: the [`speculax.DraftTree`][].
+    - `tree`: the [`speculax.DraftTree`][] or [`speculax.DynamicTree`][].
     """
-    last_read = tree.read_up_to(tree.depth - 1)
-    draft_slot = np.full(tree.num_nodes + 1, -1)
-    draft_slot[np.asarray(last_read, int)] = 1 + np.arange(len(last_read))
     accepted_nodes = accepted_nodes[:, : tree.depth]
     on_path = accepted_nodes >= 0
     node = jnp.where(on_path, accepted_nodes, 0)
+    target = _moved(caches[1], length - 1, jnp.where(on_path, node, -1))
+    if isinstance(tree, DynamicTree):
+        return caches[0], target
+    last_read = tree.read_up_to(tree.depth - 1)
+    draft_slot = np.full(tree.num_nodes + 1, -1)
+    draft_slot[np.asarray(last_read, int)] = 1 + np.arange(len(last_read))
     draft_from = jnp.where(on_path, jnp.asarray(draft_slot)[node], -1)
-    target_from = jnp.where(on_path, node, -1)
-    return (
-        _moved(caches[0], length - 1, draft_from),
-        _moved(caches[1], length - 1, target_from),
-    )
+    return _moved(caches[0], length - 1, draft_from), target
 
 
 def _moved(

@@ -15,6 +15,7 @@ from .._core._numerics import static_integer
 from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
 from .._loop._drafter import AbstractDrafter, DraftRows, cut_chains, ended_chains
+from .._loop._dynamic_tree import DynamicTree
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
@@ -504,7 +505,8 @@ def _drafts(
     parameters: RowParameters,
 ) -> tuple[jax.Array, jax.Array]:
     """The round's drafts as the loop's drafter makes them, int32 `(B, G)` (for a
-    tree `(B, N)`, each node's token, `-1` for a node left out), and whether in each
+    tree `(B, 2N)`, each node's token then each node's parent, `-1` for a node
+    left out), and whether in each
     row the drafter reported the rows `drafter.drawn_after` gives after the
     history and the drafts before each (no rows for deterministic drafts), to
     within `_ROWS_TOLERANCE`, given the target's cache of the history and the
@@ -517,7 +519,10 @@ def _drafts(
             drafter, state, draft_uniforms, loop.draft_tree, loop.draft_sampling
         )
         tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)
-        return tokens, jnp.ones((batch,), jnp.bool_)
+        return (
+            jnp.concatenate([tokens, drafted.parents], axis=1),
+            jnp.ones((batch,), jnp.bool_),
+        )
     drafts = drafter.draft(state, draft_uniforms, loop.num_nodes, loop.draft_sampling)
     read, lengths = ended_chains(drafts)
     positions = state.length[:, None] + jnp.arange(loop.num_nodes)
@@ -560,12 +565,18 @@ def _check_drafts(
         if tuple(drafted) == leaf.drafts and as_drawn:
             continue
         if loop.draft_tree is not None:
+            num_nodes = loop.draft_tree.num_nodes
+            rule = (
+                "grows the dynamic tree as speculax.DynamicTree defines it"
+                if isinstance(loop.draft_tree, DynamicTree)
+                else "fills the draft tree as loop.draft_tree.drafting says (node "
+                "j's token by inverse CDF with DRAFT number j - 1, or by rank)"
+            )
             raise ValueError(
-                "the exact enumeration assumes that the loop's drafter fills the "
-                "draft tree as loop.draft_tree.drafting says (node j's token by "
-                "inverse CDF with DRAFT number j - 1, or by rank); at uniforms "
-                f"where that gives the tokens {list(leaf.drafts)}, it filled "
-                f"{drafted}"
+                f"the exact enumeration assumes that the loop's drafter {rule}; at "
+                f"uniforms where that gives the tokens {list(leaf.drafts[:num_nodes])} "
+                f"and the parents {list(leaf.drafts[num_nodes:])}, it drafted the "
+                f"tokens {drafted[:num_nodes]} and the parents {drafted[num_nodes:]}"
             )
         raise ValueError(
             "the exact enumeration assumes that the drafter draws draft i by "

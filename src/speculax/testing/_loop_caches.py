@@ -16,10 +16,11 @@ from .._loop._cache import (
     read_history,
 )
 from .._loop._drafter import AbstractDrafter
+from .._loop._dynamic_tree import DynamicTree
 from .._loop._loop import SpeculativeLoop, drafts_after_history
 from .._loop._model_drafter import ModelDrafter
 from .._loop._state import LoopState
-from .._loop._tree_round import TreeRead, draft_reads, read_tree, tree_read
+from .._loop._tree_round import TreeRead, draft_reads, read_tree, whole_tree_read
 
 
 _MODELS = ("draft_model", "target_model")
@@ -126,8 +127,8 @@ def cache_faults(
     - `buffer`, `length`: the histories before the step.
     - `fresh`: both caches filled with the histories.
     - `after`: the step from `fresh`, then from each of `scrambled_caches`.
-    - `drafts`: for a draft tree, its tokens by node (`-1` for a node left out),
-        which the round's calls read.
+    - `drafts`: for a draft tree, its tokens by node, then its parents (`-1` for a
+        node left out), which the round's calls read.
     """
     refilled = filled_caches(loop, models, after[0].buffer)
     left = (after[0].drafter_state, after[0].target_cache)
@@ -230,8 +231,14 @@ def _round_calls(
             _chain_call(buffer, length - 1 + i, 1) for i in range(1, loop.num_nodes)
         ]
         return draft_calls, [_chain_call(buffer, length - 1, loop.num_nodes + 1)]
-    tokens = jnp.maximum(drafts, 0)
-    everything = tree_read(tree, tuple(range(tree.num_nodes + 1)), length)
+    tokens = jnp.maximum(drafts[:, : tree.num_nodes], 0)
+    parents = drafts[:, tree.num_nodes :]
+    everything = whole_tree_read(tree, parents, length)
+    if isinstance(tree, DynamicTree):
+        # Grown by a drafter without a state: the target's call only, each node
+        # expected to read its path as the parents give it, found here anew.
+        expected = _paths_of_parents(parents, tree.depth, length)
+        return [], [_tree_call(buffer, length, everything, tokens, expected)]
     return (
         [
             first_two,
@@ -257,24 +264,56 @@ def _chain_call(buffer: jax.Array, first: jax.Array, width: int) -> _Call:
 
 
 def _tree_call(
-    buffer: jax.Array, length: jax.Array, read: TreeRead, tokens: jax.Array
+    buffer: jax.Array,
+    length: jax.Array,
+    read: TreeRead,
+    tokens: jax.Array,
+    paths: TreeRead | None = None,
 ) -> _Call:
-    """The call `read` of some nodes of a tree with these tokens: it should give,
-    for each node, the logits of reading the history and the path to the node in
-    one call."""
+    """The call `read` of some nodes of a tree with these tokens, as the loop makes
+    it: it should give, for each node, the logits of reading the history and the
+    path to the node in one call, the path as `paths` gives it (by default as
+    `read` does)."""
     batch, slots = buffer.shape
     root = buffer[jnp.arange(batch), length - 1]
+    paths = paths or read
 
     def call(model: AbstractCachedModel, cache: Any, whole: jax.Array) -> tuple:
         del whole
         logits, cache = read_tree(model, read, root, tokens, cache)
-        new = jnp.concatenate([root[:, None], tokens], axis=1)[:, list(read.nodes)]
-        paths = path_buffers(buffer, new, read.mask, read.cache_length)
-        path_logits, _ = read_history(model, paths, slots, "model")
-        expected = path_logits[jnp.arange(paths.shape[0]), read.positions.reshape(-1)]
+        new = jnp.concatenate([root[:, None], tokens], axis=1)[:, list(paths.nodes)]
+        rows = path_buffers(buffer, new, paths.mask, paths.cache_length)
+        path_logits, _ = read_history(model, rows, slots, "model")
+        expected = path_logits[jnp.arange(rows.shape[0]), paths.positions.reshape(-1)]
         return logits, cache, expected.reshape(logits.shape)
 
     return call
+
+
+def _paths_of_parents(parents: jax.Array, depth: int, length: jax.Array) -> TreeRead:
+    """What the call reading each row's tree whole should give each node to read,
+    found from the tree's parents otherwise than the loop finds it: node $j$ sees
+    node $k$ when $k$ is reached from $j$ by at most `depth` steps up the parent
+    relation (a power of its matrix), and sits `length - 1` plus its depth, the
+    number of nodes it sees but itself."""
+    batch, num_nodes = parents.shape
+    parent_of = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), parents], axis=1)
+    up = jax.nn.one_hot(parent_of, num_nodes + 1, dtype=jnp.int32)
+    # The root is no parent of itself: a walk up ends there.
+    up = up.at[:, 0, 0].set(0)
+    reach = jnp.broadcast_to(jnp.eye(num_nodes + 1, dtype=jnp.int32), up.shape)
+    seen = reach
+    for _ in range(depth):
+        reach = reach @ up
+        seen = seen + reach
+    mask = seen > 0
+    return TreeRead(
+        nodes=tuple(range(num_nodes + 1)),
+        positions=(length - 1)[:, None] + mask.sum(axis=-1) - 1,
+        mask=mask,
+        cache_length=length - 1,
+        is_chain=False,
+    )
 
 
 def _outcome_differs(left: LoopState, right: LoopState) -> jax.Array:

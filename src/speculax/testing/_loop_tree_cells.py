@@ -13,6 +13,7 @@ import numpy as np
 from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._draft_tree import DraftTree
 from .._loop._drafter import AbstractDrafter
+from .._loop._dynamic_tree import DynamicTree
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model_drafter import history_logits
@@ -68,7 +69,8 @@ def tree_step_leaves(
     **Returns:**
 
     The cells, as `Leaf`s, `drafts` the tree's tokens by node (`-1` for a node left
-    out) and `kept` the accepted path's tokens.
+    out) followed by its parents (`-1` for a node left out), and `kept` the
+    accepted path's tokens.
     """
     tree, step = loop.draft_tree, loop.step
     assert tree is not None and isinstance(step, AbstractTreeStep)
@@ -104,21 +106,26 @@ def _walk_every_tree(
     def target(prefix: tuple[int, ...]) -> np.ndarray:
         return rows[prefix][1]
 
-    for drafts, cell in drafted_trees(tree, draft, start, names[DRAFT]):
-        used = [j for j, token in enumerate(drafts, start=1) if token >= 0]
+    trees = (
+        [(grown(tree, draft), start)]
+        if isinstance(tree, DynamicTree)
+        else drafted_trees(tree, draft, start, names[DRAFT])
+    )
+    for (tokens, parents), cell in trees:
+        used = [j for j, token in enumerate(tokens, start=1) if token >= 0]
         walker = tree_walker(
             step,
-            children_in_use(tree.parents, used),
+            children_in_use(parents, used),
             target,
             draft,
             len(rows[()][0]),
             one_hot_draft=reads_one_hot_drafts(step, tree.drafting),
             coin=lambda node: names[ACCEPT][node - 1],
             ends=ends,
-            tag=(state, drafts),
+            tag=(state, (*tokens, *parents)),
             rule=rule,
         )
-        walker.walk_tree({j: drafts[j - 1] for j in used}, cell)
+        walker.walk_tree({j: tokens[j - 1] for j in used}, cell)
 
 
 def drafted_trees(
@@ -126,18 +133,23 @@ def drafted_trees(
     draft_row: Callable[[tuple[int, ...]], np.ndarray],
     cell: Cell,
     names: list[Name],
-) -> Iterator[tuple[tuple[int, ...], Cell]]:
-    """Every tree the loop's drafter can fill, as the tokens of its nodes (`-1` for
-    a node left out), with the part of `cell` in which the `DRAFT` numbers `names`
-    draw it: node $j$'s token by inverse CDF with number $j - 1$ from the row
-    `draft_row(path to its parent)`, without its earlier siblings' tokens for
-    `"without replacement"` (left out, with the nodes below it, when none is left);
-    or, for `"top-k"`, the token of its rank in that row, reading no number."""
+) -> Iterator[tuple[tuple[tuple[int, ...], tuple[int, ...]], Cell]]:
+    """Every tree the loop's drafter can fill, as the tokens and the parents of its
+    nodes (`-1` for a node left out), with the part of `cell` in which the `DRAFT`
+    numbers `names` draw it: node $j$'s token by inverse CDF with number $j - 1$
+    from the row `draft_row(path to its parent)`, without its earlier siblings'
+    tokens for `"without replacement"` (left out, with the nodes below it, when
+    none is left); or, for `"top-k"`, the token of its rank in that row, reading
+    no number."""
 
     def fill(tokens: tuple[int, ...], cell: Cell) -> Iterator[tuple]:
         j = len(tokens) + 1
         if j > tree.num_nodes:
-            yield tokens, cell
+            parents = tuple(
+                parent if token >= 0 else -1
+                for parent, token in zip(tree.parents, tokens, strict=True)
+            )
+            yield (tokens, parents), cell
             return
         parent = tree.parents[j - 1]
         if parent and tokens[parent - 1] < 0:
@@ -162,6 +174,45 @@ def drafted_trees(
                 yield from fill((*tokens, token), drawn)
 
     return fill((), cell)
+
+
+def grown(
+    tree: DynamicTree, draft_row: Callable[[tuple[int, ...]], np.ndarray]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tree a `DynamicTree` grows from the rows `draft_row(path)`, as its
+    docstring defines it, read literally: its tokens and parents by node."""
+
+    def log_row(path: tuple[int, ...]) -> np.ndarray:
+        with np.errstate(divide="ignore"):
+            return np.log(draft_row(path))
+
+    def ranked(path: tuple[int, ...]) -> list[int]:
+        # By log-probability, as the scores are summed, ties to the lower token.
+        return np.argsort(-log_row(path), kind="stable")[: tree.top_k].tolist()
+
+    # Each candidate as (score, path, parent's number), numbered from 1.
+    candidates = [(float(log_row(())[token]), (token,), 0) for token in ranked(())]
+    expanded = list(range(1, tree.top_k + 1))
+    for _ in range(1, tree.depth):
+        first = len(candidates)
+        for number in expanded:
+            score, path, _ = candidates[number - 1]
+            row = log_row(path)
+            candidates += [
+                (score + float(row[token]), (*path, token), number)
+                for token in ranked(path)
+            ]
+        level = range(first + 1, len(candidates) + 1)
+        expanded = sorted(level, key=lambda n: (-candidates[n - 1][0], n))[: tree.top_k]
+    numbers = range(1, len(candidates) + 1)
+    kept = sorted(
+        sorted(numbers, key=lambda n: (-candidates[n - 1][0], n))[: tree.num_nodes]
+    )
+    node_of = {number: node for node, number in enumerate(kept, start=1)} | {0: 0}
+    return (
+        tuple(candidates[n - 1][1][-1] for n in kept),
+        tuple(node_of[candidates[n - 1][2]] for n in kept),
+    )
 
 
 def _path(tree: DraftTree, node: int, tokens: tuple[int, ...]) -> tuple[int, ...]:

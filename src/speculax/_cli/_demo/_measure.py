@@ -11,6 +11,7 @@ from ..._drafters._prompt_lookup import PromptLookup
 from ..._inputs._tree_formats import parents_from_paths
 from ..._loop._cache import Cacheless
 from ..._loop._draft_tree import DraftTree
+from ..._loop._dynamic_tree import DynamicTree
 from ..._loop._loop import SpeculativeLoop
 from ..._loop._state import LoopOutput
 from ..._tree._recursive import TreeStep
@@ -75,6 +76,9 @@ MEDUSA_TREE_PATHS: tuple[tuple[int, ...], ...] = (
     (0, 1, 0),
     (0, 0, 0, 0),
 )
+# EAGLE-2's tree for the demo's head: as many nodes as `TREE_PATHS`, as deep, grown
+# from the 8 best children of the 8 best nodes at each depth.
+DYNAMIC_TREE = DynamicTree(num_nodes=len(TREE_PATHS), depth=6, top_k=8)
 VERIFICATIONS = (
     "target alone",
     "chain",
@@ -83,6 +87,7 @@ VERIFICATIONS = (
     "EAGLE",
     "Medusa tree",
     "EAGLE tree",
+    "EAGLE dynamic tree",
     "block",
     "tree",
     "traversal",
@@ -100,7 +105,9 @@ def demo_loop(
     recursive rejection sampling (`"tree"`, and `"EAGLE tree"`, filled by the
     EAGLE-style head) or by traversal verification (`"traversal"`); or Medusa's
     `MEDUSA_TREE_PATHS`, each depth's children its head's most likely tokens,
-    verified as deterministic drafts (`"Medusa tree"`)."""
+    verified as deterministic drafts (`"Medusa tree"`); or the EAGLE-style head's
+    `DYNAMIC_TREE`, grown for each row, verified as deterministic drafts
+    (`"EAGLE dynamic tree"`)."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
     siblings = SiblingsWithoutReplacement()
     loops: dict[str, Callable[[], SpeculativeLoop]] = {
@@ -130,6 +137,9 @@ def demo_loop(
             max_new_tokens=max_new_tokens,
             step=TreeStep(),
         ),
+        "EAGLE dynamic tree": lambda: SpeculativeLoop(
+            draft_tree=DYNAMIC_TREE, max_new_tokens=max_new_tokens, step=TreeStep()
+        ),
     }
     # The chain's loop: only the drafters differ (`drafting_models`).
     for drafter in ("prompt lookup", "Medusa", "EAGLE"):
@@ -143,7 +153,13 @@ def demo_loop(
 
 
 # The verifications drafted by a shipped head: its index in `load_demo_heads`.
-_HEAD_OF = {"Medusa": 0, "EAGLE": 1, "Medusa tree": 0, "EAGLE tree": 1}
+_HEAD_OF = {
+    "Medusa": 0,
+    "EAGLE": 1,
+    "Medusa tree": 0,
+    "EAGLE tree": 1,
+    "EAGLE dynamic tree": 1,
+}
 
 
 def drafting_models(verification: str, models: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -1,0 +1,234 @@
+"""Dynamic trees, grown each round as EAGLE-2 grows them: the growth against its
+definition read literally and against the properties that make it a tree, the loop
+lossless exactly and statistically with the shipped heads, a row alone as in a
+batch, and the refusals."""
+
+import dataclasses
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Float
+from scipy import stats
+
+import speculax
+from speculax._loop._dynamic_tree import grown_tree
+from speculax.testing._loop_tree_cells import grown
+from test_feature_heads import WIDTH, eagle, medusa
+from test_loop import STAT_TOKENS, markov_pair, sequence_counts
+
+
+VOCAB = 3
+TREE = speculax.DynamicTree(num_nodes=6, depth=3, top_k=2)
+# In float32, which JAX keeps without x64 as with it.
+EMBEDDING = np.random.default_rng(21).normal(size=(VOCAB, WIDTH)).astype(np.float32)
+
+
+class PositionalMarkov(eqx.Module):
+    """A model whose next token depends on the last two tokens and on the parity of
+    the position: a tree node read with a wrong mask or at a wrong position gets
+    other logits."""
+
+    logits: Float[np.ndarray, "parity contexts vocab"]
+
+    def __call__(self, tokens, positions):
+        last = jnp.take_along_axis(tokens, positions, axis=1)
+        before = jnp.take_along_axis(tokens, jnp.maximum(positions - 1, 0), axis=1)
+        return jnp.asarray(self.logits)[positions % 2, before * VOCAB + last]
+
+
+def context_target() -> speculax.Cacheless:
+    """The target: its cache the buffer of the tokens it has read."""
+    rng = np.random.default_rng(24)
+    probs = rng.dirichlet(np.ones(VOCAB), size=(2, VOCAB**2))
+    return speculax.Cacheless(PositionalMarkov(np.log(probs)))
+
+
+def token_features(buffer):
+    """The target's feature at a slot: a row of an embedding of the token there."""
+    return jnp.asarray(EMBEDDING)[buffer]
+
+
+def head(make: Callable) -> speculax.AbstractDrafter:
+    """A shipped head on the features of `context_target`."""
+    return dataclasses.replace(make(VOCAB), features=token_features)
+
+
+def dynamic_loop(max_new_tokens: int) -> speculax.SpeculativeLoop:
+    return speculax.SpeculativeLoop(
+        draft_tree=TREE,
+        step=speculax.TreeStep(),
+        max_new_tokens=max_new_tokens,
+        end_token=2,
+    )
+
+
+def tied_rows(count: int, vocab: int, seed: int) -> np.ndarray:
+    """Random rows in which some tokens tie and some have probability 0, so that
+    ranks and scores tie: at most `vocab - 2` tokens of positive probability."""
+    rng = np.random.default_rng(seed)
+    weights = rng.random((count, vocab))
+    weights[:, 1] = weights[:, 3]
+    weights[rng.random((count, vocab)) < 0.3] = 0
+    weights[:, :2] = np.maximum(weights[:, :2], 0.05)
+    weights[:, -2:] = 0
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        speculax.DynamicTree(num_nodes=10, depth=3, top_k=3),
+        # Every candidate, those of probability 0 among them.
+        speculax.DynamicTree(num_nodes=21, depth=3, top_k=3),
+        speculax.DynamicTree(num_nodes=3, depth=1, top_k=3),
+    ],
+    ids=["10 of 21", "all 21", "depth 1"],
+)
+def test_a_grown_tree_is_its_definition(tree):
+    batch, vocab, table = 5, 6, 64
+    rows = tied_rows(table, vocab, seed=tree.num_nodes)
+    # Each row's draft row after a path: a row of the table, by the path's tokens.
+    weights = np.array([7, 31, 131])[: tree.depth]
+
+    def index(b, padded):
+        return (b * 977 + (padded * weights).sum(-1)) % table
+
+    def rows_after(paths, depth):
+        del depth
+        return jnp.asarray(rows)[index(jnp.arange(batch)[:, None], paths)]
+
+    parents, tokens = jax.jit(lambda: grown_tree(tree, rows_after, batch))()
+    trees = set()
+    for b in range(batch):
+
+        def draft_row(path, b=b):
+            return rows[index(b, np.array([*path, *[0] * (tree.depth - len(path))]))]
+
+        expected_tokens, expected_parents = grown(tree, draft_row)
+        assert parents[b].tolist() == list(expected_parents)
+        assert tokens[b].tolist() == list(expected_tokens)
+        trees.add(expected_parents)
+        # A tree: each parent before its child, siblings distinct, no node
+        # scoring more than its parent, no path deeper than D.
+        paths, scores = {0: ()}, {0: 0.0}
+        for node, (parent, token) in enumerate(
+            zip(parents[b].tolist(), tokens[b].tolist(), strict=True), start=1
+        ):
+            assert 0 <= parent < node
+            paths[node] = (*paths[parent], token)
+            with np.errstate(divide="ignore"):
+                scores[node] = scores[parent] + np.log(draft_row(paths[parent])[token])
+            assert scores[node] <= scores[parent]
+        siblings = zip(parents[b].tolist(), tokens[b].tolist(), strict=True)
+        assert len(set(siblings)) == tree.num_nodes
+        assert len(paths[tree.num_nodes]) <= tree.depth
+    # Each row grows its own tree.
+    assert len(trees) > 1 or tree.num_nodes == tree.num_candidates
+
+
+@pytest.mark.parametrize(
+    ("make", "parameters"),
+    [
+        # Paths accepted through nodes whose index is not their depth, whose
+        # cache entries the round moves.
+        (eagle, {}),
+        # One of the head's three tokens of probability 0 in each row: scores of
+        # minus infinity, kept and tied.
+        pytest.param(eagle, {"temperature": 0.7, "top_k": 2}, marks=pytest.mark.slow),
+        pytest.param(medusa, {}, marks=pytest.mark.slow),
+    ],
+    ids=["EAGLE", "EAGLE, top-k sampling", "Medusa"],
+)
+def test_a_dynamic_tree_loop_is_lossless_exactly(make, parameters):
+    error = speculax.testing.loop_lossless_error(
+        dynamic_loop(4), head(make), context_target(), [1, 0], **parameters
+    )
+    assert error < 1e-12
+
+
+@pytest.mark.slow
+def test_the_exact_test_refuses_a_tree_grown_otherwise(monkeypatch):
+    import speculax._loop._tree_round as tree_round
+
+    def first_candidates(tree, rows_after, batch):
+        # The first N candidates by number, not the N of highest score.
+        wider = speculax.DynamicTree(
+            num_nodes=tree.num_candidates, depth=tree.depth, top_k=tree.top_k
+        )
+        parents, tokens = grown_tree(wider, rows_after, batch)
+        return parents[:, : tree.num_nodes], tokens[:, : tree.num_nodes]
+
+    monkeypatch.setattr(tree_round, "grown_tree", first_candidates)
+    # Three tokens: a program of its own, traced with the wrong growth.
+    with pytest.raises(ValueError, match="grows the dynamic tree as"):
+        speculax.testing.loop_output_distribution(
+            dynamic_loop(3), head(eagle), context_target(), [1, 0]
+        )
+
+
+def test_jitted_dynamic_tree_loop_samples_the_target():
+    loop, target = dynamic_loop(STAT_TOKENS), context_target()
+    observed, expected = sequence_counts(loop, head(eagle), target)
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_a_row_of_a_dynamic_tree_loop_is_the_row_alone():
+    loop = dynamic_loop(6)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, 3, size=(5, 4)))
+    keys = jax.random.split(jax.random.key(2), 5)
+    drafter, target = head(eagle), context_target()
+    batch = loop(drafter, target, prompt, key=keys, temperature=0.8)
+    alone = loop(drafter, target, prompt[3:4], key=keys[3:4], temperature=0.8)
+    for name, value in alone.items():
+        if name != "num_target_calls":
+            np.testing.assert_array_equal(value, batch[name][3:4])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"num_nodes": 11, "depth": 2, "top_k": 2}, ValueError, "at most the"),
+        ({"num_nodes": 2, "depth": 0, "top_k": 2}, ValueError, "depth must be"),
+        ({"num_nodes": 2, "depth": 2, "top_k": 2.0}, TypeError, "top_k"),
+        ({"num_nodes": np.int8(6), "depth": 2, "top_k": 2}, None, None),
+    ],
+    ids=["more nodes than candidates", "depth 0", "a float", "a NumPy integer"],
+)
+def test_bad_construction(arguments, error, match, without_runtime_type_checks):
+    if error is None:
+        assert speculax.DynamicTree(**arguments).num_nodes == 6
+        return
+    with pytest.raises(error, match=match):
+        speculax.DynamicTree(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "tree", "error", "match"),
+    [
+        (lambda: markov_pair(VOCAB, 1, seed=5)[0], TREE, TypeError, "DraftTree"),
+        (speculax.PromptLookup, TREE, TypeError, "PromptLookup drafts deterministic"),
+        (
+            lambda: head(eagle),
+            speculax.DynamicTree(num_nodes=4, depth=2, top_k=4),
+            ValueError,
+            "top_k = 4 is more than the V = 3",
+        ),
+    ],
+    ids=["a draft model", "deterministic drafts", "more children than tokens"],
+)
+def test_the_loop_refuses_a_dynamic_tree_it_cannot_grow(drafter, tree, error, match):
+    loop = speculax.SpeculativeLoop(
+        draft_tree=tree, max_new_tokens=2, step=speculax.TreeStep()
+    )
+    with pytest.raises(error, match=match):
+        loop(
+            drafter(),
+            context_target(),
+            jnp.zeros((1, 2), jnp.int32),
+            key=jax.random.key(0),
+        )
