@@ -15,6 +15,7 @@ from .._loop._cache import (
     read_chain,
     read_history,
 )
+from .._loop._draft_tree import DraftTree
 from .._loop._drafter import AbstractDrafter
 from .._loop._dynamic_tree import DynamicTree
 from .._loop._loop import SpeculativeLoop, drafts_after_history
@@ -233,22 +234,22 @@ def _round_calls(
         return draft_calls, [_chain_call(buffer, length - 1, loop.num_nodes + 1)]
     tokens = jnp.maximum(drafts[:, : tree.num_nodes], 0)
     parents = drafts[:, tree.num_nodes :]
-    everything = whole_tree_read(tree, parents, length)
-    if isinstance(tree, DynamicTree):
-        # Grown by a drafter without a state: the target's call only, each node
-        # expected to read its path as the parents give it, found here anew.
-        expected = _paths_of_parents(parents, tree.depth, length)
-        return [], [_tree_call(buffer, length, everything, tokens, expected)]
-    return (
-        [
-            first_two,
-            *(
-                _tree_call(buffer, length, read, tokens)
-                for read in draft_reads(tree, length)
-            ),
-        ],
-        [_tree_call(buffer, length, everything, tokens)],
+    if isinstance(tree, DraftTree):
+        # The loop reads the template whole, nodes left out included.
+        parents = jnp.broadcast_to(jnp.asarray(tree.parents), parents.shape)
+    # Each node expected to read its path as the parents give it, found anew.
+    paths = _paths_of_parents(parents, tree.depth, length)
+    target_call = _tree_call(
+        buffer, length, whole_tree_read(tree, parents, length), tokens, paths
     )
+    if isinstance(tree, DynamicTree):
+        # Grown by a drafter without a state: the target's call only.
+        return [], [target_call]
+    draft_calls = [
+        _tree_call(buffer, length, read, tokens, paths)
+        for read in draft_reads(tree, length)
+    ]
+    return [first_two, *draft_calls], [target_call]
 
 
 def _chain_call(buffer: jax.Array, first: jax.Array, width: int) -> _Call:
@@ -268,23 +269,25 @@ def _tree_call(
     length: jax.Array,
     read: TreeRead,
     tokens: jax.Array,
-    paths: TreeRead | None = None,
+    paths: TreeRead,
 ) -> _Call:
     """The call `read` of some nodes of a tree with these tokens, as the loop makes
     it: it should give, for each node, the logits of reading the history and the
-    path to the node in one call, the path as `paths` gives it (by default as
-    `read` does)."""
+    path to the node in one call, the path as `paths` (the whole tree's, found
+    from its parents by `_paths_of_parents`) gives it."""
     batch, slots = buffer.shape
     root = buffer[jnp.arange(batch), length - 1]
-    paths = paths or read
+    nodes = np.asarray(read.nodes)
+    mask = paths.mask[:, nodes][:, :, nodes]
 
     def call(model: AbstractCachedModel, cache: Any, whole: jax.Array) -> tuple:
         del whole
         logits, cache = read_tree(model, read, root, tokens, cache)
-        new = jnp.concatenate([root[:, None], tokens], axis=1)[:, list(paths.nodes)]
-        rows = path_buffers(buffer, new, paths.mask, paths.cache_length)
+        new = jnp.concatenate([root[:, None], tokens], axis=1)[:, nodes]
+        rows = path_buffers(buffer, new, mask, read.cache_length)
         path_logits, _ = read_history(model, rows, slots, "model")
-        expected = path_logits[jnp.arange(rows.shape[0]), paths.positions.reshape(-1)]
+        positions = paths.positions[:, nodes].reshape(-1)
+        expected = path_logits[jnp.arange(rows.shape[0]), positions]
         return logits, cache, expected.reshape(logits.shape)
 
     return call
