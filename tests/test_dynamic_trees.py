@@ -16,9 +16,9 @@ from scipy import stats
 
 import speculax
 from speculax._loop._dynamic_tree import grown_tree
-from speculax.testing._loop_tree_cells import grown
-from test_feature_heads import WIDTH, eagle, medusa
-from test_loop import STAT_TOKENS, markov_pair, sequence_counts
+from speculax.testing._loop_tree_cells import grown as grown_by_reading
+from test_feature_heads import WIDTH, KeepsAState, eagle, medusa
+from test_loop import STAT_TOKENS, sequence_counts
 
 
 VOCAB = 3
@@ -40,11 +40,21 @@ class PositionalMarkov(eqx.Module):
         return jnp.asarray(self.logits)[positions % 2, before * VOCAB + last]
 
 
-def context_target() -> speculax.Cacheless:
-    """The target: its cache the buffer of the tokens it has read."""
-    rng = np.random.default_rng(24)
+def positional(seed: int) -> speculax.Cacheless:
+    """A `PositionalMarkov` model with random rows, its cache the buffer of the
+    tokens it has read."""
+    rng = np.random.default_rng(seed)
     probs = rng.dirichlet(np.ones(VOCAB), size=(2, VOCAB**2))
     return speculax.Cacheless(PositionalMarkov(np.log(probs)))
+
+
+def context_target() -> speculax.Cacheless:
+    return positional(24)
+
+
+def draft_model() -> speculax.Cacheless:
+    """A draft model that reads its nodes' masks and positions as the target does."""
+    return positional(31)
 
 
 def token_features(buffer):
@@ -97,18 +107,21 @@ def test_a_grown_tree_is_its_definition(tree):
     def index(b, padded):
         return (b * 977 + (padded * weights).sum(-1)) % table
 
-    def rows_after(paths, depth):
-        del depth
-        return jnp.asarray(rows)[index(jnp.arange(batch)[:, None], paths)]
+    def rows_after(paths, depth, expanded, carried):
+        return jnp.asarray(rows)[index(jnp.arange(batch)[:, None], paths)], carried
 
-    parents, tokens = jax.jit(lambda: grown_tree(tree, rows_after, batch))()
+    def grow():
+        root, _ = rows_after(jnp.zeros((batch, 1, tree.depth), jnp.int32), 0, 0, 0)
+        return grown_tree(tree, root[:, 0], rows_after)[0]
+
+    parents, tokens, _ = jax.jit(grow)()
     trees = set()
     for b in range(batch):
 
         def draft_row(path, b=b):
             return rows[index(b, np.array([*path, *[0] * (tree.depth - len(path))]))]
 
-        expected_tokens, expected_parents = grown(tree, draft_row)
+        expected_tokens, expected_parents = grown_by_reading(tree, draft_row)
         assert parents[b].tolist() == list(expected_parents)
         assert tokens[b].tolist() == list(expected_tokens)
         trees.add(expected_parents)
@@ -130,22 +143,95 @@ def test_a_grown_tree_is_its_definition(tree):
     assert len(trees) > 1 or tree.num_nodes == tree.num_candidates
 
 
+def tabled(root: np.ndarray, after: dict[int, np.ndarray], other: np.ndarray):
+    """Rows of a tree of depth 2: `root` after the history, `after[t]` after the
+    path `(t,)`, `other` after any other, as `grown_tree` and the reading take
+    them."""
+    by_first = np.stack([after.get(t, other) for t in range(len(root))])
+
+    def rows_after(paths, depth, expanded=None, carried=None):
+        rows = jnp.where(depth == 0, root, jnp.asarray(by_first)[paths[:, :, 0]])
+        return rows, carried
+
+    def draft_row(path):
+        return root if not path else after.get(path[0], other)
+
+    return rows_after, draft_row
+
+
+X, Y = 0.7686825338221793, 0.15325676106938402
+# Two adjacent float32 numbers whose logs round to the same float32.
+LOW = np.float32(0.45000079)
+HIGH = np.nextafter(LOW, np.float32(1))
+ROW = np.array([0.5, 0.3, 0.2], np.float32)
+
+
 @pytest.mark.parametrize(
-    ("make", "parameters"),
+    ("tree", "rows", "x64"),
+    [
+        # The score of (0, 1) is log X + log Y, and of (1,) log(X * Y): tied but
+        # for rounding, with the cut between them.
+        (
+            speculax.DynamicTree(num_nodes=3, depth=2, top_k=2),
+            tabled(
+                np.array([X, X * Y, 1 - X - X * Y, 0, 0]),
+                {0: np.array([0.5, Y, 0.12, 0.12, 0.5 - Y - 0.24])},
+                np.array([0.4, 0.3, 0.2, 0.1, 0]),
+            ),
+            True,
+        ),
+        # The more likely token first, though the logs of the two tie.
+        (
+            speculax.DynamicTree(num_nodes=1, depth=1, top_k=1),
+            tabled(np.array([LOW, HIGH, 1 - LOW - HIGH], np.float32), {}, ROW),
+            False,
+        ),
+        # A row that sums to more than 1: no child above its parent.
+        (
+            speculax.DynamicTree(num_nodes=2, depth=2, top_k=2),
+            tabled(
+                np.array([0.6, 0.4, 0], np.float32),
+                {1: np.array([1.5, 0, 0], np.float32)},
+                ROW,
+            ),
+            False,
+        ),
+    ],
+    ids=["scores tied but for rounding", "logs tied", "a row above 1"],
+)
+def test_a_grown_tree_is_its_reading_at_the_edges(tree, rows, x64):
+    rows_after, draft_row = rows
+    with jax.enable_x64(x64):
+        root, _ = rows_after(jnp.zeros((1, 1, tree.depth), jnp.int32), 0)
+        grown, _ = grown_tree(tree, root[:, 0], rows_after)
+        tokens, parents = grown_by_reading(tree, draft_row)
+    assert grown.parents[0].tolist() == list(parents)
+    assert grown.tokens[0].tolist() == list(tokens)
+    assert all(parent < node for node, parent in enumerate(parents, start=1))
+    assert len(set(zip(parents, tokens, strict=True))) == tree.num_nodes
+    if tree.num_nodes == 1:
+        assert tokens == (1,)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "parameters"),
     [
         # Paths accepted through nodes whose index is not their depth, whose
         # cache entries the round moves.
-        (eagle, {}),
+        (head(eagle), {}),
+        (draft_model(), {}),
         # One of the head's three tokens of probability 0 in each row: scores of
         # minus infinity, kept and tied.
-        pytest.param(eagle, {"temperature": 0.7, "top_k": 2}, marks=pytest.mark.slow),
-        pytest.param(medusa, {}, marks=pytest.mark.slow),
+        pytest.param(
+            head(eagle), {"temperature": 0.7, "top_k": 2}, marks=pytest.mark.slow
+        ),
+        pytest.param(head(medusa), {}, marks=pytest.mark.slow),
     ],
-    ids=["EAGLE", "EAGLE, top-k sampling", "Medusa"],
+    ids=["EAGLE", "a draft model", "EAGLE, top-k sampling", "Medusa"],
 )
-def test_a_dynamic_tree_loop_is_lossless_exactly(make, parameters):
+def test_a_dynamic_tree_loop_is_lossless_exactly(drafter, parameters):
     error = speculax.testing.loop_lossless_error(
-        dynamic_loop(4), head(make), context_target(), [1, 0], **parameters
+        dynamic_loop(4), drafter, context_target(), [1, 0], **parameters
     )
     assert error < 1e-12
 
@@ -154,13 +240,13 @@ def test_a_dynamic_tree_loop_is_lossless_exactly(make, parameters):
 def test_the_exact_test_refuses_a_tree_grown_otherwise(monkeypatch):
     import speculax._loop._tree_round as tree_round
 
-    def first_candidates(tree, rows_after, batch):
+    def first_candidates(tree, root_row, rows_after, carried=None):
         # The first N candidates by number, not the N of highest score.
         wider = speculax.DynamicTree(
             num_nodes=tree.num_candidates, depth=tree.depth, top_k=tree.top_k
         )
-        parents, tokens = grown_tree(wider, rows_after, batch)
-        return parents[:, : tree.num_nodes], tokens[:, : tree.num_nodes]
+        grown, carried = grown_tree(wider, root_row, rows_after, carried)
+        return type(grown)(*(x[:, : tree.num_nodes] for x in grown)), carried
 
     monkeypatch.setattr(tree_round, "grown_tree", first_candidates)
     # Three tokens: a program of its own, traced with the wrong growth.
@@ -170,18 +256,25 @@ def test_the_exact_test_refuses_a_tree_grown_otherwise(monkeypatch):
         )
 
 
+@pytest.mark.slow
 def test_jitted_dynamic_tree_loop_samples_the_target():
     loop, target = dynamic_loop(STAT_TOKENS), context_target()
     observed, expected = sequence_counts(loop, head(eagle), target)
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
-def test_a_row_of_a_dynamic_tree_loop_is_the_row_alone():
+@pytest.mark.parametrize(
+    "drafter",
+    # The draft model's cache reads each row's own tree: in the default tier.
+    [pytest.param(head(eagle), marks=pytest.mark.slow), draft_model()],
+    ids=["EAGLE", "a draft model"],
+)
+def test_a_row_of_a_dynamic_tree_loop_is_the_row_alone(drafter):
     loop = dynamic_loop(6)
     rng = np.random.default_rng(4)
     prompt = jnp.asarray(rng.integers(0, 3, size=(5, 4)))
     keys = jax.random.split(jax.random.key(2), 5)
-    drafter, target = head(eagle), context_target()
+    target = context_target()
     batch = loop(drafter, target, prompt, key=keys, temperature=0.8)
     alone = loop(drafter, target, prompt[3:4], key=keys[3:4], temperature=0.8)
     for name, value in alone.items():
@@ -210,7 +303,7 @@ def test_bad_construction(arguments, error, match, without_runtime_type_checks):
 @pytest.mark.parametrize(
     ("drafter", "tree", "error", "match"),
     [
-        (lambda: markov_pair(VOCAB, 1, seed=5)[0], TREE, TypeError, "DraftTree"),
+        (lambda: KeepsAState(head(medusa)), TREE, TypeError, "KeepsAState keeps one"),
         (speculax.PromptLookup, TREE, TypeError, "PromptLookup drafts deterministic"),
         (
             lambda: head(eagle),
@@ -219,7 +312,7 @@ def test_bad_construction(arguments, error, match, without_runtime_type_checks):
             "top_k = 4 is more than the V = 3",
         ),
     ],
-    ids=["a draft model", "deterministic drafts", "more children than tokens"],
+    ids=["a state", "deterministic drafts", "more children than tokens"],
 )
 def test_the_loop_refuses_a_dynamic_tree_it_cannot_grow(drafter, tree, error, match):
     loop = speculax.SpeculativeLoop(

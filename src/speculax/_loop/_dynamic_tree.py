@@ -2,12 +2,12 @@
 grows it: each row keeps the nodes its draft finds most likely."""
 
 from collections.abc import Callable
-from typing import Literal, final
+from typing import Literal, NamedTuple, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from .._core._checks import check_static_int
 from .._core._numerics import integer_by_value
@@ -20,14 +20,16 @@ class DynamicTree(eqx.Module):
     $N$ nodes with the highest cumulative draft log-probability among those the
     expansion reaches.
 
-    Each draft node's score is $\\sum \\log q$ over its path, $q$ the drafter's row
-    after the path to the node's parent. The expansion reaches, level by level:
+    Each draft node's score is $\\sum \\min(\\log q, 0)$ over its path, $q$ the
+    drafter's row after the path to the node's parent, summed in the rows' dtype.
+    The expansion reaches, level by level:
 
-    - depth 1: the $k$ most likely tokens of the row after the history (the
-        expanded nodes of depth 1);
+    - depth 1: the $k$ most likely tokens of the row after the history (ties to
+        the lower token), the expanded nodes of depth 1;
     - depth $d + 1$, for $d = 1, \\dots, D - 1$: the $k$ most likely tokens of
         the row after each expanded node of depth $d$, $k^2$ candidates; the $k$
-        of highest score are the expanded nodes of depth $d + 1$.
+        of highest score (ties to the lower number) are the expanded nodes of
+        depth $d + 1$.
 
     The candidates are numbered in that order: depth 1 by rank, then each depth's
     by expanded node (in order of score) and rank. The round's tree keeps the $N$
@@ -38,11 +40,14 @@ class DynamicTree(eqx.Module):
     (`draft_probs=None`: a node passes with the target's probability of it), which
     is lossless whatever the tree's shape in each row.
 
-    The drafter is one without a state that promises rows of its drafts
-    (`drawn_after`), such as [`speculax.EagleHead`][] or
-    [`speculax.MedusaHeads`][]: the row after an expanded node of depth $d$ is row
-    $d$ of its drafts after the history followed by the node's path. Ranks are
-    ties to the lower token.
+    The drafter is a draft model, or one without a state that promises rows of
+    its drafts (`drawn_after`), such as [`speculax.EagleHead`][] or
+    [`speculax.MedusaHeads`][]. The row after a node is the drafter's row after
+    the history followed by the node's path, under the loop's `draft_sampling`
+    and the row's parameters: a draft model reads, at each depth, every node
+    expanded so far with its cache (each seeing its ancestors) in one call; a
+    stateless drafter gives row $d$ of its drafts after the path of a node of
+    depth $d$.
 
     **Arguments:**
 
@@ -97,35 +102,51 @@ class DynamicTree(eqx.Module):
             )
 
 
-# The drafter's rows after some paths of each row's history: `(B, M, D)` tokens of
-# the paths (0 past their end) and the depth $d$ they end at, to the `(B, M, V)`
-# rows after them.
-RowsAfter = Callable[[Int[Array, "batch paths depth"], Int[Array, ""]], Array]
+class ExpandedNodes(NamedTuple):
+    """The nodes expanded so far in each row, depth by depth, $k$ per depth: a list
+    of $M = (D - 1) k$ entries, entry $(d - 1) k + i$ the $i$-th expanded node of
+    depth $d$. `tokens` and `parents`, int32 `(B, M)`: each entry's token and its
+    parent's entry (`-1` for the root); an entry not yet expanded has token 0 and
+    parent `-1`."""
+
+    tokens: Int[Array, "batch expanded"]
+    parents: Int[Array, "batch expanded"]
+
+
+# The drafter's rows after the $k$ expanded nodes of depth $d$: from the `(B, k, D)`
+# tokens of their paths (0 past their end), $d$, every node expanded so far, and
+# what the drafter carries from one depth to the next (a draft model's cache), to
+# the `(B, k, V)` rows and what it carries on.
+RowsAfter = Callable[
+    [Int[Array, "batch k depth"], Int[Array, ""], ExpandedNodes, PyTree],
+    tuple[Float[Array, "batch k vocab"], PyTree],
+]
+
+
+class GrownTree(NamedTuple):
+    """Each row's grown tree: `parents` and `tokens`, int32 `(B, N)`, each draft
+    node's parent (0 the root) and token; `expanded`, int32 `(B, N)`, each node's
+    entry among the `ExpandedNodes` at the end (`-1` for a node not expanded)."""
+
+    parents: Int[Array, "batch nodes"]
+    tokens: Int[Array, "batch nodes"]
+    expanded: Int[Array, "batch nodes"]
 
 
 def grown_tree(
-    tree: DynamicTree, rows_after: RowsAfter, batch: int
-) -> tuple[Int[Array, "batch nodes"], Int[Array, "batch nodes"]]:
-    """Each row's tree, grown as [`speculax.DynamicTree`][] defines it.
-
-    **Arguments:**
-
-    - `tree`: the [`speculax.DynamicTree`][].
-    - `rows_after`: the drafter's rows after paths, as `RowsAfter` says.
-    - `batch`: $B$.
-
-    **Returns:**
-
-    `(parents, tokens)`, int32 `(B, N)`: each draft node's parent (0 the root)
-    and token.
-    """
+    tree: DynamicTree,
+    root_row: Float[Array, "batch vocab"],
+    rows_after: RowsAfter,
+    carried: PyTree = None,
+) -> tuple[GrownTree, PyTree]:
+    """Each row's tree, grown as [`speculax.DynamicTree`][] defines it, from the
+    drafter's row after the history, `root_row`, and its rows after the nodes
+    expanded at each depth, `rows_after`, which carries `carried` from one depth
+    to the next; and what it carried last."""
     k, depth = tree.top_k, tree.depth
-    first_scores, first_tokens = jax.lax.top_k(
-        jnp.log(
-            rows_after(jnp.zeros((batch, 1, depth), jnp.int32), jnp.int32(0))[:, 0]
-        ),
-        k,
-    )
+    batch = root_row.shape[0]
+    first_probs, first_tokens = jax.lax.top_k(root_row, k)
+    first_scores = log_probability(first_probs)
     candidates = _Candidates(
         tokens=_written(
             jnp.zeros((batch, tree.num_candidates), jnp.int32), first_tokens, 0
@@ -143,14 +164,29 @@ def grown_tree(
             0,
         ),
     )
-    expanded = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+    # Each entry's candidate, -1 until expanded: depth 1's are the first k.
+    entries = jnp.arange((depth - 1) * k, dtype=jnp.int32)
+    listed = jnp.broadcast_to(
+        jnp.where(entries < k, entries, -1), (batch, len(entries))
+    )
 
     def level(d: Int[Array, ""], carry: tuple) -> tuple:
-        candidates, expanded = carry
-        return _expanded_level(candidates, expanded, d, k, rows_after)
+        candidates, listed, carried = carry
+        expanded = jax.lax.dynamic_slice_in_dim(listed, (d - 1) * k, k, axis=1)
+        rows, carried = rows_after(
+            candidates.paths[jnp.arange(batch)[:, None], expanded],
+            d,
+            _expanded_nodes(candidates, listed),
+            carried,
+        )
+        candidates, expanded = _expanded_level(candidates, expanded, rows, d, k)
+        at = d * k + jnp.arange(k)
+        return candidates, listed.at[:, at].set(expanded, mode="drop"), carried
 
     if depth > 1:
-        candidates, _ = jax.lax.fori_loop(1, depth, level, (candidates, expanded))
+        candidates, listed, carried = jax.lax.fori_loop(
+            1, depth, level, (candidates, listed, carried)
+        )
     # Ties to the lower number: a parent, which scores at least its children's
     # scores and comes before them, is kept before any of them.
     kept = jnp.sort(jax.lax.top_k(candidates.scores, tree.num_nodes)[1], axis=1)
@@ -160,8 +196,18 @@ def grown_tree(
         .at[rows, kept + 1]
         .set(jnp.arange(1, tree.num_nodes + 1, dtype=jnp.int32))
     )
-    parents = node_of[rows, candidates.parents[rows, kept]]
-    return parents, candidates.tokens[rows, kept]
+    grown = GrownTree(
+        parents=node_of[rows, candidates.parents[rows, kept]],
+        tokens=candidates.tokens[rows, kept],
+        expanded=_entries(listed, tree.num_candidates)[rows, kept + 1],
+    )
+    return grown, carried
+
+
+def log_probability(probs: Array) -> Array:
+    """$\\min(\\log q, 0)$, in the rows' dtype: a node's score is its parent's plus
+    this, never more than its parent's, even for a row that rounds above 1."""
+    return jnp.minimum(jnp.log(probs), 0)
 
 
 class _Candidates(eqx.Module):
@@ -174,20 +220,53 @@ class _Candidates(eqx.Module):
     paths: Int[Array, "batch candidates depth"]
 
 
+def _entries(
+    listed: Int[Array, "batch expanded"], num_candidates: int
+) -> Int[Array, "batch numbers"]:
+    """Each candidate's entry among the expanded nodes, by its number (0 the root),
+    `-1` for one not expanded."""
+    batch, size = listed.shape
+    number = jnp.where(listed >= 0, listed + 1, num_candidates + 1)
+    return (
+        jnp.full((batch, num_candidates + 1), -1, jnp.int32)
+        .at[jnp.arange(batch)[:, None], number]
+        .set(jnp.arange(size, dtype=jnp.int32), mode="drop")
+    )
+
+
+def _expanded_nodes(
+    candidates: _Candidates, listed: Int[Array, "batch expanded"]
+) -> ExpandedNodes:
+    """The `ExpandedNodes` of the candidates `listed`."""
+    rows = jnp.arange(listed.shape[0])[:, None]
+    candidate = jnp.maximum(listed, 0)
+    entry_of = _entries(listed, candidates.tokens.shape[1])
+    listed_in = listed >= 0
+    return ExpandedNodes(
+        tokens=jnp.where(listed_in, candidates.tokens[rows, candidate], 0),
+        parents=jnp.where(
+            listed_in, entry_of[rows, candidates.parents[rows, candidate]], -1
+        ),
+    )
+
+
 def _expanded_level(
     candidates: _Candidates,
     expanded: Int[Array, "batch k"],
+    rows: Float[Array, "batch k vocab"],
     d: Int[Array, ""],
     k: int,
-    rows_after: RowsAfter,
 ) -> tuple[_Candidates, Int[Array, "batch k"]]:
-    """The candidates of depth $d + 1$, the children of the expanded nodes of
-    depth $d$, added, and the expanded nodes of depth $d + 1$."""
+    """The candidates of depth $d + 1$, the children in `rows` of the expanded
+    nodes of depth $d$, added, and the expanded nodes of depth $d + 1$."""
     batch, _, depth = candidates.paths.shape
-    rows = jnp.arange(batch)[:, None]
-    paths = candidates.paths[rows, expanded]
-    scores, tokens = jax.lax.top_k(jnp.log(rows_after(paths, d)), k)
-    scores = (candidates.scores[rows, expanded][:, :, None] + scores).reshape(batch, -1)
+    index = jnp.arange(batch)[:, None]
+    paths = candidates.paths[index, expanded]
+    probs, tokens = jax.lax.top_k(rows, k)
+    scores = log_probability(probs)
+    scores = (candidates.scores[index, expanded][:, :, None] + scores).reshape(
+        batch, -1
+    )
     tokens = tokens.reshape(batch, -1)
     child_paths = jnp.repeat(paths, k, axis=1)
     child_paths = jnp.where(jnp.arange(depth) == d, tokens[:, :, None], child_paths)

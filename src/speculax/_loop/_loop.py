@@ -72,10 +72,9 @@ class SpeculativeLoop(eqx.Module):
     the next depth), the target scores every node in one call with the ancestor
     mask, a tree step verifies it, and the accepted path's cache entries are moved
     to where the next round reads them; lossless when the tree step's sibling rule
-    matches the tree's drafting. A drafter without a state may instead grow each
-    row's tree anew every round from its confidences, a
-    [`speculax.DynamicTree`][] as EAGLE-2 grows it: deterministic drafts, lossless
-    with a [`speculax.TreeStep`][].
+    matches the tree's drafting. The drafter may instead grow each row's tree anew
+    every round from its confidences, a [`speculax.DynamicTree`][] as EAGLE-2
+    grows it: deterministic drafts, lossless with a [`speculax.TreeStep`][].
 
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each
@@ -242,8 +241,8 @@ class SpeculativeLoop(eqx.Module):
             vocabulary, which the loop drafts with as a
             [`speculax.ModelDrafter`][]. A draft tree is filled by a draft
             model, or by a drafter without a state (`drafter.init` gives
-            `None`) from the rows its `drawn_after` promises; a dynamic tree is
-            grown by a drafter without a state only.
+            `None`) from the rows its `drawn_after` promises; so is a dynamic
+            tree grown.
         - `target_model`: a [`speculax.AbstractCachedModel`][], which reads only
             the new tokens at each call, or a [`speculax.LanguageModel`][], a
             callable `(tokens, positions) -> logits` that reads the whole history

@@ -18,7 +18,7 @@ from ._append import Verified, append_verified
 from ._cache import AbstractCachedModel, Cache, read_chain, read_new
 from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter, DraftRows
-from ._dynamic_tree import DynamicTree, ancestor_mask, grown_tree
+from ._dynamic_tree import DynamicTree, ExpandedNodes, ancestor_mask, grown_tree
 from ._model_drafter import ModelDrafter
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
@@ -148,7 +148,7 @@ def tree_round(
     it, from the `(draft, accept, sample)` uniforms: draft, score, verify, keep the
     path's cache entries and append."""
     draft_uniforms, accept_uniforms, sample_uniforms = uniforms
-    drafted, drafter_state = drafted_tree(
+    drafted, drafter_state, draft_slots = drafted_tree(
         drafter, state, draft_uniforms, tree, draft_sampling
     )
     target_logits, target_cache = score_tree(
@@ -170,7 +170,8 @@ def tree_round(
         (drafter_state, target_cache),
         verified["accepted_nodes"],
         state.length,
-        tree,
+        tree.depth,
+        draft_slots,
     )
     kept = Verified(verified["num_accepted"], verified["tokens"][:, : tree.depth + 1])
     return append_verified(
@@ -184,21 +185,20 @@ def drafted_tree(
     draft_uniforms: Float[Array, "batch nodes"],
     tree: DraftTree | DynamicTree,
     draft_sampling: AbstractDraftSampling,
-) -> tuple[DraftedTree, PyTree]:
-    """Each row's tree filled by the drafter, and its state after: a draft model
-    reads a `DraftTree` with its cache (`draft_tree`); any other drafter, stateless,
-    fills it from its definition (`tree_by_definition`), or grows a `DynamicTree`
+) -> tuple[DraftedTree, PyTree, Int[Array, "batch positions"]]:
+    """Each row's tree filled by the drafter, its state after, and where its last
+    call wrote each node (`draft_slots`, see `keep_path`): a draft model reads the
+    tree with its cache (`draft_tree`, `draft_dynamic_tree`); any other drafter,
+    stateless, fills it from its definition (`tree_by_definition`) or grows it
     (`dynamic_tree`)."""
-    if isinstance(tree, DraftTree) and isinstance(drafter, ModelDrafter):
-        return draft_tree(
-            drafter.cached_model, state, draft_uniforms, tree, draft_sampling
-        )
+    batch = state.length.shape[0]
     if isinstance(drafter, ModelDrafter):
-        raise TypeError(
-            "a dynamic tree is grown by a drafter without a state, and a draft model "
-            "keeps its cache: draft a speculax.DraftTree or a chain (num_draft) "
-            "with it"
-        )
+        model = drafter.cached_model
+        if isinstance(tree, DynamicTree):
+            return draft_dynamic_tree(model, state, tree, draft_sampling)
+        drafted, cache = draft_tree(model, state, draft_uniforms, tree, draft_sampling)
+        slots = jnp.broadcast_to(template_slots(tree), (batch, tree.num_nodes + 1))
+        return drafted, cache, slots
     if state.drafter_state is not None:
         raise TypeError(
             "a draft tree is filled by a draft model, or by a drafter without a "
@@ -211,7 +211,19 @@ def drafted_tree(
         drafted = tree_by_definition(
             drafter, state, draft_uniforms, tree, draft_sampling
         )
-    return drafted, state.drafter_state
+    # A drafter without a state wrote no cache.
+    unwritten = jnp.full((batch, tree.num_nodes + 1), -1, jnp.int32)
+    return drafted, state.drafter_state, unwritten
+
+
+def template_slots(tree: DraftTree) -> Int[Array, " positions"]:
+    """Where the draft model's last call on a template wrote each node, from slot
+    `length - 1`: its last level's read, from slot `length` on (`-1` for a node of
+    depth $D$, or the root, which it does not read)."""
+    last_read = tree.read_up_to(tree.depth - 1)
+    slots = np.full(tree.num_nodes + 1, -1)
+    slots[np.asarray(last_read, int)] = 1 + np.arange(len(last_read))
+    return jnp.asarray(slots, jnp.int32)
 
 
 def dynamic_tree(
@@ -224,14 +236,78 @@ def dynamic_tree(
     [`speculax.DynamicTree`][] defines it: the row after a node of depth $d$ is row
     $d$ of the drafts after the history followed by the node's path. One call of
     `drawn_after` per depth, the $k$ expanded nodes at once."""
-    parents, tokens = grown_tree(
-        tree,
-        lambda paths, depth: _rows_after_paths(
-            drafter, state, paths, depth, tree.depth, draft_sampling
-        ),
-        state.length.shape[0],
+    batch, depth = state.length.shape[0], tree.depth
+
+    def rows_after(
+        paths: Int[Array, "batch k depth"], d: Int[Array, ""], *_: object
+    ) -> tuple[Float[Array, "batch k vocab"], None]:
+        return _rows_after_paths(drafter, state, paths, d, depth, draft_sampling), None
+
+    root = _rows_after_paths(
+        drafter,
+        state,
+        jnp.zeros((batch, 1, depth), jnp.int32),
+        0,
+        depth,
+        draft_sampling,
+    )[:, 0]
+    grown, _ = grown_tree(tree, root, rows_after)
+    return DraftedTree(grown.parents, grown.tokens, None)
+
+
+def draft_dynamic_tree(
+    draft_model: AbstractCachedModel,
+    state: LoopState,
+    tree: DynamicTree,
+    draft_sampling: AbstractDraftSampling,
+) -> tuple[DraftedTree, Cache, Int[Array, "batch positions"]]:
+    """Each row's tree grown by the draft model with its cache: the root's row read
+    as for a chain, then at each depth $d$ one call that reads every node expanded
+    so far (all $M = (D - 1) k$ entries of the `ExpandedNodes`, each seeing its
+    ancestors among them, those not yet expanded seeing only themselves), written
+    from slot `length` on, whose rows at the expanded nodes of depth $d$ are made
+    by `draft_sampling`.
+
+    **Returns:**
+
+    `(drafted, draft_cache, draft_slots)`: the `DraftedTree`, the draft model's
+    cache after its last call, and where that call wrote each node (`keep_path`).
+    """
+    batch, k = state.length.shape[0], tree.top_k
+    rows = jnp.arange(batch)
+    first = jnp.maximum(state.length - 2, 0)
+    logits, after_root = read_chain(
+        draft_model, state.buffer, first, 2, state.drafter_state
     )
-    return DraftedTree(parents, tokens, None)
+    root = _sampled(
+        draft_sampling, logits[rows, state.length - 1 - first][:, None], state
+    )[:, 0]
+
+    def rows_after(
+        paths: Int[Array, "batch k depth"],
+        d: Int[Array, ""],
+        expanded: ExpandedNodes,
+        cache: Cache,
+    ) -> tuple[Float[Array, "batch k vocab"], Cache]:
+        del paths
+        # Entries numbered from 1 below the history's last token, the root.
+        mask, depths = ancestor_mask(expanded.parents + 1, tree.depth)
+        logits, cache = read_new(
+            draft_model,
+            expanded.tokens,
+            (state.length - 1)[:, None] + depths[:, 1:],
+            mask[:, 1:, 1:],
+            after_root,
+            state.length,
+            chain=False,
+        )
+        level = jax.lax.dynamic_slice_in_dim(logits, (d - 1) * k, k, axis=1)
+        return _sampled(draft_sampling, level, state), cache
+
+    grown, cache = grown_tree(tree, root, rows_after, after_root)
+    slots = jnp.where(grown.expanded >= 0, grown.expanded + 1, -1)
+    draft_slots = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), slots], 1)
+    return DraftedTree(grown.parents, grown.tokens, None), cache, draft_slots
 
 
 def tree_by_definition(
@@ -542,15 +618,16 @@ def keep_path(
     caches: tuple[Cache, Cache],
     accepted_nodes: Int[Array, "batch width"],
     length: Int[Array, " batch"],
-    tree: DraftTree | DynamicTree,
+    depth: int,
+    draft_slots: Int[Array, "batch positions"],
 ) -> tuple[Cache, Cache]:
     """Each model's cache with the accepted path's entries moved to where the next
     round reads its history: path node $i$ (depth $i$) to slot `length - 1 + i`,
     from the slot its last call wrote it in. The target wrote node $k$ at
-    `length - 1 + k`; the draft, which reads no node of depth $D$, wrote the nodes
-    of its last call from slot `length` on (a dynamic tree's drafter keeps no
-    cache). Only the path's slots are written, in place: no copy of a cache is
-    made.
+    `length - 1 + k`; the draft wrote node $k$ at `length - 1 + draft_slots[:, k]`
+    (none where `-1`: a node its last call did not read, which is never a path
+    node the next round reads from the cache). Only the path's slots are written,
+    in place: no copy of a cache is made.
 
     **Arguments:**
 
@@ -558,19 +635,17 @@ def keep_path(
     - `accepted_nodes`: int32, the path's nodes, then `-1`, as the tree step
         returns them.
     - `length`: int32 `(B,)`, the histories' lengths before the round.
-    - `tree`: the [`speculax.DraftTree`][] or [`speculax.DynamicTree`][].
+    - `depth`: $D$, the tree's depth.
+    - `draft_slots`: int32 `(B, N + 1)`, as `drafted_tree` returns them.
     """
-    accepted_nodes = accepted_nodes[:, : tree.depth]
+    accepted_nodes = accepted_nodes[:, :depth]
     on_path = accepted_nodes >= 0
     node = jnp.where(on_path, accepted_nodes, 0)
-    target = _moved(caches[1], length - 1, jnp.where(on_path, node, -1))
-    if isinstance(tree, DynamicTree):
-        return caches[0], target
-    last_read = tree.read_up_to(tree.depth - 1)
-    draft_slot = np.full(tree.num_nodes + 1, -1)
-    draft_slot[np.asarray(last_read, int)] = 1 + np.arange(len(last_read))
-    draft_from = jnp.where(on_path, jnp.asarray(draft_slot)[node], -1)
-    return _moved(caches[0], length - 1, draft_from), target
+    draft_from = jnp.where(on_path, jnp.take_along_axis(draft_slots, node, axis=1), -1)
+    return (
+        _moved(caches[0], length - 1, draft_from),
+        _moved(caches[1], length - 1, jnp.where(on_path, node, -1)),
+    )
 
 
 def _moved(

@@ -506,16 +506,15 @@ def _drafts(
 ) -> tuple[jax.Array, jax.Array]:
     """The round's drafts as the loop's drafter makes them, int32 `(B, G)` (for a
     tree `(B, 2N)`, each node's token then each node's parent, `-1` for a node
-    left out), and whether in each
-    row the drafter reported the rows `drafter.drawn_after` gives after the
-    history and the drafts before each (no rows for deterministic drafts), to
-    within `_ROWS_TOLERANCE`, given the target's cache of the history and the
-    drafts read whole: the rows the step verifies by are then those the drafts
-    were drawn from."""
+    left out), and whether in each row the drafter reported the rows
+    `drafter.drawn_after` gives after the history and the drafts before each (no
+    rows for deterministic drafts), to within `_ROWS_TOLERANCE`, given the
+    target's cache of the history and the drafts read whole: the rows the step
+    verifies by are then those the drafts were drawn from."""
     drafter, target = models
     batch = state.length.shape[0]
     if loop.draft_tree is not None:
-        drafted, _ = drafted_tree(
+        drafted, *_ = drafted_tree(
             drafter, state, draft_uniforms, loop.draft_tree, loop.draft_sampling
         )
         tokens = jnp.where(drafted.parents >= 0, drafted.tokens, -1)

@@ -243,8 +243,11 @@ def _round_calls(
         buffer, length, whole_tree_read(tree, parents, length), tokens, paths
     )
     if isinstance(tree, DynamicTree):
-        # Grown by a drafter without a state: the target's call only.
-        return [], [target_call]
+        # A draft model's reads of the nodes it expanded, which the drafts do not
+        # say, are not checked here: a row they make wrong grows another tree
+        # than the enumeration's, and an entry they leave wrong is caught in the
+        # cache after the round.
+        return [first_two], [target_call]
     draft_calls = [
         _tree_call(buffer, length, read, tokens, paths)
         for read in draft_reads(tree, length)

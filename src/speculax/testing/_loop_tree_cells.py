@@ -13,7 +13,7 @@ import numpy as np
 from .._loop._cache import Model, as_cached_model, read_history
 from .._loop._draft_tree import DraftTree
 from .._loop._drafter import AbstractDrafter
-from .._loop._dynamic_tree import DynamicTree
+from .._loop._dynamic_tree import DynamicTree, log_probability
 from .._loop._keys import ACCEPT, DRAFT, SAMPLE
 from .._loop._loop import SpeculativeLoop
 from .._loop._model_drafter import history_logits
@@ -180,18 +180,19 @@ def grown(
     tree: DynamicTree, draft_row: Callable[[tuple[int, ...]], np.ndarray]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The tree a `DynamicTree` grows from the rows `draft_row(path)`, as its
-    docstring defines it, read literally: its tokens and parents by node."""
+    docstring defines it, read literally: its tokens and parents by node. Each
+    score is summed in the rows' dtype, its terms by the loop's own
+    `log_probability`, so that a tie the loop sees, this reading sees too."""
 
     def log_row(path: tuple[int, ...]) -> np.ndarray:
-        with np.errstate(divide="ignore"):
-            return np.log(draft_row(path))
+        return np.asarray(log_probability(jnp.asarray(draft_row(path))))
 
     def ranked(path: tuple[int, ...]) -> list[int]:
-        # By log-probability, as the scores are summed, ties to the lower token.
-        return np.argsort(-log_row(path), kind="stable")[: tree.top_k].tolist()
+        # Ties to the lower token.
+        return np.argsort(-draft_row(path), kind="stable")[: tree.top_k].tolist()
 
     # Each candidate as (score, path, parent's number), numbered from 1.
-    candidates = [(float(log_row(())[token]), (token,), 0) for token in ranked(())]
+    candidates = [(log_row(())[token], (token,), 0) for token in ranked(())]
     expanded = list(range(1, tree.top_k + 1))
     for _ in range(1, tree.depth):
         first = len(candidates)
@@ -199,8 +200,7 @@ def grown(
             score, path, _ = candidates[number - 1]
             row = log_row(path)
             candidates += [
-                (score + float(row[token]), (*path, token), number)
-                for token in ranked(path)
+                (score + row[token], (*path, token), number) for token in ranked(path)
             ]
         level = range(first + 1, len(candidates) + 1)
         expanded = sorted(level, key=lambda n: (-candidates[n - 1][0], n))[: tree.top_k]

@@ -90,6 +90,7 @@ VERIFICATIONS = (
     "EAGLE dynamic tree",
     "block",
     "tree",
+    "dynamic tree",
     "traversal",
 )
 
@@ -105,9 +106,9 @@ def demo_loop(
     recursive rejection sampling (`"tree"`, and `"EAGLE tree"`, filled by the
     EAGLE-style head) or by traversal verification (`"traversal"`); or Medusa's
     `MEDUSA_TREE_PATHS`, each depth's children its head's most likely tokens,
-    verified as deterministic drafts (`"Medusa tree"`); or the EAGLE-style head's
-    `DYNAMIC_TREE`, grown for each row, verified as deterministic drafts
-    (`"EAGLE dynamic tree"`)."""
+    verified as deterministic drafts (`"Medusa tree"`); or `DYNAMIC_TREE`, grown
+    for each row by the draft model (`"dynamic tree"`) or the EAGLE-style head
+    (`"EAGLE dynamic tree"`), verified as deterministic drafts."""
     tree = DraftTree(parents_from_paths(TREE_PATHS), drafting="without replacement")
     siblings = SiblingsWithoutReplacement()
     loops: dict[str, Callable[[], SpeculativeLoop]] = {
@@ -145,6 +146,7 @@ def demo_loop(
     for drafter in ("prompt lookup", "Medusa", "EAGLE"):
         loops[drafter] = loops["chain"]
     loops["EAGLE tree"] = loops["tree"]
+    loops["dynamic tree"] = loops["EAGLE dynamic tree"]
     if verification not in loops:
         raise ValueError(
             f"verification must be one of {VERIFICATIONS}; got {verification!r}"
