@@ -5,6 +5,7 @@ batch, and the refusals."""
 
 import dataclasses
 from collections.abc import Callable
+from typing import final
 
 import equinox as eqx
 import jax
@@ -52,9 +53,28 @@ def context_target() -> speculax.Cacheless:
     return positional(24)
 
 
-def draft_model() -> speculax.Cacheless:
+@final
+class Bounded(speculax.AbstractCachedModel):
+    """A model whose cache refuses, at run time, a call that writes past its end
+    (a model writing with `lax.dynamic_update_slice` would write below it instead,
+    over the history)."""
+
+    model: speculax.Cacheless
+
+    def init_cache(self, batch, max_length):
+        return self.model.init_cache(batch, max_length)
+
+    def __call__(self, tokens, positions, mask, cache, cache_length):
+        past_the_end = cache_length + tokens.shape[1] > cache.shape[1]
+        cache_length = eqx.error_if(
+            cache_length, past_the_end, "a call writes past the cache's end"
+        )
+        return self.model(tokens, positions, mask, cache, cache_length)
+
+
+def draft_model() -> Bounded:
     """A draft model that reads its nodes' masks and positions as the target does."""
-    return positional(31)
+    return Bounded(positional(31))
 
 
 def token_features(buffer):
@@ -280,6 +300,21 @@ def test_a_row_of_a_dynamic_tree_loop_is_the_row_alone(drafter):
     for name, value in alone.items():
         if name != "num_target_calls":
             np.testing.assert_array_equal(value, batch[name][3:4])
+
+
+def test_a_draft_model_has_room_for_every_node_it_expands():
+    # (3 - 1) * 3 = 6 expanded nodes, read in one call: more than the 3 draft
+    # nodes and the root, from the last token of a history of up to 4 tokens.
+    loop = speculax.SpeculativeLoop(
+        draft_tree=speculax.DynamicTree(num_nodes=3, depth=3, top_k=3),
+        step=speculax.TreeStep(),
+        max_new_tokens=3,
+    )
+    assert loop.round_slots == 7
+    prompt = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, size=(8, 2)))
+    keys = jax.random.split(jax.random.key(3), 8)
+    out = loop(draft_model(), Bounded(context_target()), prompt, key=keys)
+    assert (out["num_tokens"] == 3).all()
 
 
 @pytest.mark.parametrize(

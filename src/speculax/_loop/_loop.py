@@ -78,7 +78,8 @@ class SpeculativeLoop(eqx.Module):
 
     A model may keep a cache, a [`speculax.AbstractCachedModel`][]: the loop fills
     it with the prompts in one call, and each round writes $G + 1$ slots of each
-    model's cache (the tree's $N + 1$) and reads no slot of a rejected draft, so
+    model's cache (the tree's $N + 1$; `round_slots`) and reads no slot of a
+    rejected draft, so
     that a call costs the new tokens, not the history. A plain
     [`speculax.LanguageModel`][], which reads the whole history at every call, is
     wrapped in [`speculax.Cacheless`][]; for the same keys the tokens are the same
@@ -209,6 +210,18 @@ class SpeculativeLoop(eqx.Module):
         if isinstance(self.end_token, tuple):
             return self.end_token
         return (self.end_token,)
+
+    @property
+    def round_slots(self) -> int:
+        """The slots of a cache from a history's last token on that a round may
+        write: $G + 1$ for a chain, $N + 1$ for a tree, and for a
+        [`speculax.DynamicTree`][] at least the $(D - 1) k + 1$ of a draft model's
+        call of every expanded node. The buffer and the caches hold this many
+        past the prompt and the new tokens."""
+        tree = self.draft_tree
+        if isinstance(tree, DynamicTree):
+            return max(tree.num_nodes, (tree.depth - 1) * tree.top_k) + 1
+        return self.num_nodes + 1
 
     @property
     def num_nodes(self) -> int:
@@ -608,7 +621,7 @@ def _generate(
         (prompt_length < 1) | (prompt_length > prompt.shape[1]),
         f"prompt_lengths must lie in [1, P] = [1, {prompt.shape[1]}]",
     )
-    slots = prompt.shape[1] + loop.max_new_tokens + loop.num_nodes + 1
+    slots = prompt.shape[1] + loop.max_new_tokens + loop.round_slots
     vocab = jax.eval_shape(
         lambda: read_history(target_model, prompt, slots, "target_model")[0]
     ).shape[-1]
@@ -655,7 +668,7 @@ def _initial_state(
     buffer, the drafter's state and the target's cache after the prompts, and the
     parameters."""
     batch = prompt.shape[0]
-    padding = jnp.zeros((batch, loop.max_new_tokens + loop.num_nodes + 1), jnp.int32)
+    padding = jnp.zeros((batch, loop.max_new_tokens + loop.round_slots), jnp.int32)
     buffer = jnp.concatenate([prompt, padding], axis=1)
     slots = buffer.shape[1]
     target_logits, target_cache = read_history(

@@ -32,8 +32,9 @@ class LoopOutput(TypedDict):
 @final
 class LoopState(eqx.Module):
     """The carry of [`speculax.SpeculativeLoop`][] from one step to the next, for
-    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts (a draft tree's
-    nodes, for a tree).
+    $B$ rows, prompts of width $P$, $N$ new tokens and $G$ drafts (for a tree,
+    $G + 1$ is the loop's `round_slots`: the nodes and the root, or a dynamic
+    tree's expanded nodes and the root if more).
 
     - `buffer`: int32 `(B, P + N + G + 1)`, each row's prompt and the tokens
         generated so far, its first `length` entries; past them it holds the last

@@ -459,7 +459,7 @@ def _outcomes(
     batch, num_draft = len(leaves), loop.num_nodes
     buffer, lengths = history_buffer(
         [prompt + states[leaf.state][0][0] for leaf in leaves],
-        len(prompt) + loop.max_new_tokens + loop.num_nodes + 1,
+        len(prompt) + loop.max_new_tokens + loop.round_slots,
     )
     outcome = in_chunks(
         lambda *rows: _advance(

@@ -222,8 +222,9 @@ def _round_calls(
     """The calls a round makes of the draft and of the target. For a chain, on the
     buffer: the draft reads the history's last two tokens, then each draft but the
     last; the target reads the last token and the drafts. For a tree, on its
-    drafts: the draft reads the last two tokens, then each level; the target the
-    root and every node."""
+    drafts: the draft reads the last two tokens, then each level of a template
+    (not those of a dynamic tree's expanded nodes, which the drafts do not say);
+    the target the root and every node."""
     first_two = _chain_call(buffer, jnp.maximum(length - 2, 0), 2)
     tree = loop.draft_tree
     if tree is None:
