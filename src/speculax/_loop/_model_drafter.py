@@ -85,10 +85,7 @@ class ModelDrafter(AbstractDrafter):
             return Drafts(
                 no_drafts, _no_rows(model, state, draft_sampling), state.drafter_state
             )
-        rows = jnp.arange(state.buffer.shape[0])
-        first = jnp.maximum(state.length - 2, 0)
-        logits, cache = read_chain(model, state.buffer, first, 2, state.drafter_state)
-        logits = logits[rows, state.length - 1 - first]
+        logits, cache = history_end_logits(model, state)
         row_shapes = DraftRows(
             logits,
             jax.eval_shape(
@@ -138,6 +135,18 @@ class ModelDrafter(AbstractDrafter):
         positions = (length - 1)[:, None] + jnp.arange(num_draft)
         logits = history_logits(self.cached_model, tokens, positions)
         return sampled_rows(logits, parameters, draft_sampling)
+
+
+def history_end_logits(
+    model: AbstractCachedModel, state: LoopState
+) -> tuple[Float[Array, "batch vocab"], Cache]:
+    """The draft model's logits after each row's history, and its cache after the
+    call that begins a round: the history's last two tokens read from slot
+    $\\max(\\text{length} - 2, 0)$, the cache holding the history before them
+    (see [`speculax.LoopState`][])."""
+    first = jnp.maximum(state.length - 2, 0)
+    logits, cache = read_chain(model, state.buffer, first, 2, state.drafter_state)
+    return logits[jnp.arange(state.length.shape[0]), state.length - 1 - first], cache
 
 
 def history_logits(

@@ -15,11 +15,11 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from .._pieces._sampling import InverseCDF
 from .._tree._abstract import AbstractTreeStep, TreeOutput
 from ._append import Verified, append_verified
-from ._cache import AbstractCachedModel, Cache, read_chain, read_new
+from ._cache import AbstractCachedModel, Cache, read_new
 from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter, DraftRows
 from ._dynamic_tree import DynamicTree, ExpandedNodes, ancestor_mask, grown_tree
-from ._model_drafter import ModelDrafter
+from ._model_drafter import ModelDrafter, history_end_logits
 from ._sampling import AbstractDraftSampling, RowParameters, row_probs
 from ._state import LoopState
 
@@ -274,14 +274,8 @@ def draft_dynamic_tree(
     cache after its last call, and where that call wrote each node (`keep_path`).
     """
     batch, k = state.length.shape[0], tree.top_k
-    rows = jnp.arange(batch)
-    first = jnp.maximum(state.length - 2, 0)
-    logits, after_root = read_chain(
-        draft_model, state.buffer, first, 2, state.drafter_state
-    )
-    root = _sampled(
-        draft_sampling, logits[rows, state.length - 1 - first][:, None], state
-    )[:, 0]
+    logits, after_root = history_end_logits(draft_model, state)
+    root = _sampled(draft_sampling, logits[:, None], state)[:, 0]
 
     def rows_after(
         paths: Int[Array, "batch k depth"],
@@ -452,11 +446,7 @@ def draft_tree(
     """
     batch = state.length.shape[0]
     rows = jnp.arange(batch)
-    first = jnp.maximum(state.length - 2, 0)
-    logits, after_root = read_chain(
-        draft_model, state.buffer, first, 2, state.drafter_state
-    )
-    logits = logits[rows, state.length - 1 - first]
+    logits, after_root = history_end_logits(draft_model, state)
     probs = _sampled(draft_sampling, logits[:, None], state)[:, 0]
     drafted = DraftedTree(
         parents=jnp.broadcast_to(
