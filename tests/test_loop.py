@@ -102,7 +102,7 @@ class DraftNoiseIsAcceptNoise(speculax.AbstractKeySchedule):
     """A wrong schedule: draft token i drawn with the uniform of test i."""
 
     def __call__(self, row_key, step, stream, position):
-        stream = speculax.ACCEPT if stream == speculax.DRAFT else stream
+        stream = jnp.where(stream == speculax.DRAFT, speculax.ACCEPT, stream)
         return speculax.FoldInKeys()(row_key, step, stream, position)
 
 
@@ -326,10 +326,12 @@ def test_default_keys_are_never_reused():
         for stream, count in ((speculax.DRAFT, 3), (speculax.ACCEPT, 3)):
             for position in range(count):
                 key = loop.key_schedule(
-                    row_key, jnp.int32(step), stream, jnp.int32(position)
+                    row_key, jnp.int32(step), jnp.int32(stream), jnp.int32(position)
                 )
                 seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
-        key = loop.key_schedule(row_key, jnp.int32(step), speculax.SAMPLE, jnp.int32(0))
+        key = loop.key_schedule(
+            row_key, jnp.int32(step), jnp.int32(speculax.SAMPLE), jnp.int32(0)
+        )
         seen.add(tuple(np.asarray(jax.random.key_data(key)).tolist()))
     assert len(seen) == 4 * 6 * 7
 

@@ -262,7 +262,7 @@ class StepMajorKeys(speculax.AbstractKeySchedule):
         self,
         row_key: Key[Array, ""],
         step: Int[Array, ""],
-        stream: int,
+        stream: Int[Array, ""],
         position: Int[Array, ""],
     ) -> Key[Array, ""]:
         return jax.random.fold_in(

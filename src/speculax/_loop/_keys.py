@@ -41,14 +41,17 @@ class AbstractKeySchedule(eqx.Module):
         self,
         row_key: Key[Array, ""],
         step: Int[Array, ""],
-        stream: int,
+        stream: Int[Array, ""],
         position: Int[Array, ""],
     ) -> Key[Array, ""]:
         """**Arguments:**
 
         - `row_key`: the row's key, a typed scalar key.
         - `step`: $t$, the step number, from 0.
-        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), a Python int.
+        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), an int32 scalar:
+            the loop draws every uniform of a step in one call of the schedule,
+            vmapped over the streams and positions, so that their hashes are
+            compiled once, not once per stream.
         - `position`: $i$, the draft position, in `[0, G)`; 0 for `SAMPLE`.
 
         **Returns:**
@@ -73,7 +76,7 @@ class FoldInKeys(AbstractKeySchedule):
         self,
         row_key: Key[Array, ""],
         step: Int[Array, ""],
-        stream: int,
+        stream: Int[Array, ""],
         position: Int[Array, ""],
     ) -> Key[Array, ""]:
         fold_in = jax.random.fold_in

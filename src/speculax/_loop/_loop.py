@@ -377,21 +377,22 @@ class SpeculativeLoop(eqx.Module):
         [`speculax.ACCEPT`][] and [`speculax.SAMPLE`][].
         """
 
-        def row(key: Key[Array, ""]) -> tuple[Array, Array, Array]:
-            def stream(stream: int, count: int) -> Array:
-                return jax.vmap(
-                    lambda i: jax.random.uniform(
-                        self.key_schedule(key, step, stream, i)
-                    )
-                )(jnp.arange(count))
+        # Every uniform of the step in one vmapped call of the schedule: each
+        # stream called on its own would compile its own copies of the hashes
+        # (four per key for `FoldInKeys`), nearly half a chain loop's program.
+        n = self.num_nodes
+        streams = np.repeat([DRAFT, ACCEPT, SAMPLE], [n, n, 1]).astype(np.int32)
+        positions = np.concatenate([np.arange(n), np.arange(n), [0]]).astype(np.int32)
 
-            return (
-                stream(DRAFT, self.num_nodes),
-                stream(ACCEPT, self.num_nodes),
-                stream(SAMPLE, 1)[0],
-            )
+        def row(key: Key[Array, ""]) -> Float[Array, " uses"]:
+            return jax.vmap(
+                lambda stream, position: jax.random.uniform(
+                    self.key_schedule(key, step, stream, position)
+                )
+            )(jnp.asarray(streams), jnp.asarray(positions))
 
-        return jax.vmap(row)(row_key)
+        uniforms = jax.vmap(row)(row_key)
+        return uniforms[:, :n], uniforms[:, n : 2 * n], uniforms[:, 2 * n]
 
     def advance(
         self,

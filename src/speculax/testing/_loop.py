@@ -373,7 +373,9 @@ def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
     row_key = jax.random.key(0)
 
     def name(stream: int, position: int) -> Name:
-        key = loop.key_schedule(row_key, jnp.int32(step), stream, jnp.int32(position))
+        key = loop.key_schedule(
+            row_key, jnp.int32(step), jnp.int32(stream), jnp.int32(position)
+        )
         return tuple(int(word) for word in np.asarray(jax.random.key_data(key)))
 
     return {
