@@ -336,14 +336,31 @@ def test_default_keys_are_never_reused():
     assert len(seen) == 4 * 6 * 7
 
 
-def test_uniforms_are_drawn_from_the_schedule():
-    loop = speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3)
+# The loop draws all of a step's uniforms in one call of the schedule, and splits
+# them by stream: each must still read its own keys, with no drafts too, and for a
+# tree one per node.
+@pytest.mark.parametrize(
+    "loop",
+    [
+        speculax.SpeculativeLoop(num_draft=0, max_new_tokens=3),
+        speculax.SpeculativeLoop(num_draft=2, max_new_tokens=3),
+        speculax.SpeculativeLoop(
+            draft_tree=speculax.DraftTree((0, 0, 1, 2), drafting="independent"),
+            max_new_tokens=3,
+            step=speculax.TreeStep(),
+        ),
+    ],
+    ids=["no drafts", "chain", "tree"],
+)
+def test_uniforms_are_drawn_from_the_schedule(loop):
     row_keys = jax.random.split(jax.random.key(1), 3)
     draft, accept, sample = loop.uniforms(row_keys, jnp.int32(4))
+    assert draft.shape == accept.shape == (3, loop.num_nodes)
+    assert sample.shape == (3,)
     fold_in = jax.random.fold_in
     for row, row_key in enumerate(row_keys):
         for stream, values in ((speculax.DRAFT, draft), (speculax.ACCEPT, accept)):
-            for i in range(2):
+            for i in range(loop.num_nodes):
                 key = fold_in(fold_in(fold_in(row_key, 4), stream), i)
                 assert values[row, i] == jax.random.uniform(key)
         key = fold_in(fold_in(fold_in(row_key, 4), speculax.SAMPLE), 0)

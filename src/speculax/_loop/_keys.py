@@ -6,7 +6,9 @@ from typing import final
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Int, Key
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Int, Key
 
 
 DRAFT = 0
@@ -33,7 +35,10 @@ class AbstractKeySchedule(eqx.Module):
 
     Subclass it to try another schedule, an engine's for instance, and check it with
     [`speculax.testing.loop_output_distribution`][], which treats uses with equal
-    keys as one random number.
+    keys as one random number. The loop calls it once per step and row, vmapped
+    over every stream and position (`step_keys`), as the exact test does: its
+    arguments are traced, so a schedule chooses by them with `jnp.where` or
+    `lax.switch`, never with a Python `if` or a dict.
     """
 
     @abc.abstractmethod
@@ -47,12 +52,10 @@ class AbstractKeySchedule(eqx.Module):
         """**Arguments:**
 
         - `row_key`: the row's key, a typed scalar key.
-        - `step`: $t$, the step number, from 0.
-        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), an int32 scalar:
-            the loop draws every uniform of a step in one call of the schedule,
-            vmapped over the streams and positions, so that their hashes are
-            compiled once, not once per stream.
-        - `position`: $i$, the draft position, in `[0, G)`; 0 for `SAMPLE`.
+        - `step`: $t$, the step number, from 0, an int32 scalar.
+        - `stream`: `DRAFT` (0), `ACCEPT` (1) or `SAMPLE` (2), an int32 scalar.
+        - `position`: $i$, the draft position, an int32 scalar in `[0, G)` (`[0, N)`
+            for a tree of $N$ nodes); 0 for `SAMPLE`.
 
         **Returns:**
 
@@ -76,8 +79,26 @@ class FoldInKeys(AbstractKeySchedule):
         self,
         row_key: Key[Array, ""],
         step: Int[Array, ""],
-        stream: Int[Array, ""],
+        stream: Int[ArrayLike, ""],
         position: Int[Array, ""],
     ) -> Key[Array, ""]:
         fold_in = jax.random.fold_in
         return fold_in(fold_in(fold_in(row_key, step), stream), position)
+
+
+def step_keys(
+    schedule: AbstractKeySchedule,
+    row_key: Key[Array, ""],
+    step: Int[Array, ""],
+    num_nodes: int,
+) -> Key[Array, " uses"]:
+    """The keys of every uniform a row reads in step `step`: `num_nodes` of `DRAFT`,
+    `num_nodes` of `ACCEPT`, then one of `SAMPLE`, in that order. One call of
+    `schedule`, vmapped over the streams and positions, so that its hashes are
+    compiled once, not once per stream (four per key for `FoldInKeys`)."""
+    n = num_nodes
+    streams = np.repeat([DRAFT, ACCEPT, SAMPLE], [n, n, 1]).astype(np.int32)
+    positions = np.concatenate([np.arange(n), np.arange(n), [0]]).astype(np.int32)
+    return jax.vmap(lambda stream, position: schedule(row_key, step, stream, position))(
+        jnp.asarray(streams), jnp.asarray(positions)
+    )

@@ -22,7 +22,7 @@ from ._chain_round import chain_round
 from ._draft_tree import DraftTree
 from ._drafter import AbstractDrafter
 from ._dynamic_tree import DynamicTree
-from ._keys import ACCEPT, DRAFT, SAMPLE, AbstractKeySchedule, FoldInKeys
+from ._keys import AbstractKeySchedule, FoldInKeys, step_keys
 from ._model import LanguageModel
 from ._model_drafter import as_drafter
 from ._sampling import (
@@ -377,19 +377,11 @@ class SpeculativeLoop(eqx.Module):
         [`speculax.ACCEPT`][] and [`speculax.SAMPLE`][].
         """
 
-        # Every uniform of the step in one vmapped call of the schedule: each
-        # stream called on its own would compile its own copies of the hashes
-        # (four per key for `FoldInKeys`), nearly half a chain loop's program.
         n = self.num_nodes
-        streams = np.repeat([DRAFT, ACCEPT, SAMPLE], [n, n, 1]).astype(np.int32)
-        positions = np.concatenate([np.arange(n), np.arange(n), [0]]).astype(np.int32)
 
         def row(key: Key[Array, ""]) -> Float[Array, " uses"]:
-            return jax.vmap(
-                lambda stream, position: jax.random.uniform(
-                    self.key_schedule(key, step, stream, position)
-                )
-            )(jnp.asarray(streams), jnp.asarray(positions))
+            keys = step_keys(self.key_schedule, key, step, n)
+            return jax.vmap(jax.random.uniform)(keys)
 
         uniforms = jax.vmap(row)(row_key)
         return uniforms[:, :n], uniforms[:, n : 2 * n], uniforms[:, 2 * n]

@@ -16,7 +16,7 @@ from .._logits._step import LogitsStep
 from .._loop._cache import AbstractCachedModel, Model, as_cached_model, read_history
 from .._loop._drafter import AbstractDrafter, DraftRows, cut_chains, ended_chains
 from .._loop._dynamic_tree import DynamicTree
-from .._loop._keys import ACCEPT, DRAFT, SAMPLE
+from .._loop._keys import ACCEPT, DRAFT, SAMPLE, step_keys
 from .._loop._loop import SpeculativeLoop
 from .._loop._model import LanguageModel
 from .._loop._model_drafter import as_drafter, history_logits
@@ -370,19 +370,11 @@ def _next_token_probs(
 def _uniform_names(loop: SpeculativeLoop, step: int) -> dict[int, list[Name]]:
     """The name of each random number step `step` reads, per stream, for a row whose
     key is `jax.random.key(0)`."""
-    row_key = jax.random.key(0)
-
-    def name(stream: int, position: int) -> Name:
-        key = loop.key_schedule(
-            row_key, jnp.int32(step), jnp.int32(stream), jnp.int32(position)
-        )
-        return tuple(int(word) for word in np.asarray(jax.random.key_data(key)))
-
-    return {
-        DRAFT: [name(DRAFT, i) for i in range(loop.num_nodes)],
-        ACCEPT: [name(ACCEPT, i) for i in range(loop.num_nodes)],
-        SAMPLE: [name(SAMPLE, 0)],
-    }
+    n = loop.num_nodes
+    # The keys as the loop derives them, in one vmapped call of the schedule.
+    keys = step_keys(loop.key_schedule, jax.random.key(0), jnp.int32(step), n)
+    names = [tuple(map(int, data)) for data in np.asarray(jax.random.key_data(keys))]
+    return {DRAFT: names[:n], ACCEPT: names[n : 2 * n], SAMPLE: names[2 * n :]}
 
 
 def _check_outcome(
